@@ -1,0 +1,32 @@
+"""The only package that runs Slurm (and other system) binaries."""
+
+from gateway.slurm.client import CancelResult, JobStatus, SlurmClient
+from gateway.slurm.render import JobScript, RenderError, render_sbatch
+from gateway.slurm.runner import (
+    LocalRunner,
+    Runner,
+    SlurmCommandError,
+    SlurmError,
+    SSHRunner,
+    SSHTarget,
+)
+from gateway.slurm.validate import InvalidNameError, validate_tenant_name
+
+__all__ = [
+    "CancelResult", "InvalidNameError", "JobScript", "JobStatus", "LocalRunner", "RenderError",
+    "Runner", "SSHRunner", "SSHTarget", "SlurmClient", "SlurmCommandError", "SlurmError",
+    "render_sbatch", "validate_tenant_name",
+]
+
+
+def make_runner(settings: object | None = None) -> Runner:
+    """A runner from settings: SSH when ``ssh_host`` is set, else local."""
+    from gateway.config import Settings, get_settings
+
+    s = settings if isinstance(settings, Settings) else get_settings()
+    if s.ssh_host:
+        if s.ssh_key is None:
+            raise SlurmError("SFT_SSH_HOST is set but SFT_SSH_KEY is not: key auth is required")
+        return SSHRunner(SSHTarget(s.ssh_host, s.ssh_user, s.ssh_key, s.ssh_port,
+                                   s.ssh_known_hosts))
+    return LocalRunner()

@@ -1,0 +1,167 @@
+"""Cluster-side administration: QOS tiers and tenant onboarding.
+
+Everything here is idempotent: running ``add`` twice changes nothing the second
+time, and a partially onboarded tenant is completed by running it again.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from gateway.slurm.policy import QosTier
+from gateway.slurm.runner import CommandResult, Runner, SlurmCommandError
+from gateway.slurm.validate import validate_qos_name, validate_tenant_name
+
+ORGANIZATION = "slurm-finetune"
+_QUIET_NOOPS = ("Nothing new added", "Nothing modified", "Nothing to modify")
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    unix_user: str
+    uid: int | None
+    shares: int | None
+    qos: tuple[str, ...]
+    default_qos: str | None
+    storage: Path
+    storage_ok: bool
+
+
+def unix_user_for(tenant: str) -> str:
+    """The unix user (and group) that owns a tenant's files and runs its jobs."""
+    return f"sft-{validate_tenant_name(tenant)}"
+
+
+class Admin:
+    """sacctmgr / useradd operations for QOS tiers and tenants."""
+
+    def __init__(self, runner: Runner, *, storage_root: Path, parent_account: str = "finetune"):
+        self.runner = runner
+        self.storage_root = storage_root
+        self.parent = validate_tenant_name(parent_account)
+
+    def _sacctmgr(self, *args: str) -> CommandResult:
+        res = self.runner.run(["sacctmgr", "--immediate", *args], timeout=60)
+        if res.returncode != 0 and any(s in res.stdout + res.stderr for s in _QUIET_NOOPS):
+            return res
+        return res.check()
+
+    def _show(self, *args: str) -> list[list[str]]:
+        out = self.runner.run(["sacctmgr", "--noheader", "--parsable2", "show", *args],
+                              timeout=60).check().stdout
+        return [line.split("|") for line in out.splitlines() if line.strip()]
+
+    # ----------------------------------------------------------------- QOS
+    def existing_qos(self) -> set[str]:
+        return {row[0] for row in self._show("qos", "format=Name")}
+
+    def apply_qos(self, tiers: dict[str, QosTier]) -> list[str]:
+        """Create or update every tier; return the names that were created."""
+        have = self.existing_qos()
+        created = []
+        for tier in tiers.values():
+            if tier.name in have:
+                self._sacctmgr("modify", "qos", "where", f"name={tier.name}", "set",
+                               *tier.sacctmgr_settings())
+            else:
+                self._sacctmgr("add", "qos", tier.name, *tier.sacctmgr_settings())
+                created.append(tier.name)
+        return created
+
+    # ------------------------------------------------------------- tenants
+    def ensure_parent_account(self) -> None:
+        if not self._show("account", self.parent, "format=Account"):
+            self._sacctmgr("add", "account", self.parent, f"Organization={ORGANIZATION}",
+                           "Description=slurm-finetune tenants")
+
+    def add_tenant(self, name: str, *, shares: int, qos: Sequence[str]) -> Tenant:
+        """Onboard (or update) a tenant: unix user/group, Slurm account + user, storage.
+
+        Raises InvalidNameError for a bad name or QOS before any command runs,
+        SlurmCommandError (with sacctmgr's text) for an unknown QOS.
+        """
+        validate_tenant_name(name)
+        qos = [validate_qos_name(q) for q in qos]
+        if not qos:
+            raise ValueError("at least one QOS tier is required")
+        if not isinstance(shares, int) or not 1 <= shares <= 1_000_000:
+            raise ValueError(f"shares must be an integer in 1..1000000, got {shares!r}")
+        missing = set(qos) - self.existing_qos()
+        if missing:
+            raise SlurmCommandError(["sacctmgr"], 1, f"unknown QOS {sorted(missing)}: "
+                                    "apply the QOS policy first (finetune dev-cluster up)")
+        user = unix_user_for(name)
+        uid, gid = self._ensure_unix_user(user, self.storage_root / "tenants" / name)
+        self.ensure_parent_account()
+        settings = [f"Fairshare={shares}", "QOS=" + ",".join(qos), f"DefaultQOS={qos[0]}"]
+        if self._show("account", name, "format=Account"):
+            self._sacctmgr("modify", "account", "where", f"name={name}", "set", *settings)
+        else:
+            self._sacctmgr("add", "account", name, f"Parent={self.parent}",
+                           f"Organization={ORGANIZATION}", "Description=slurm-finetune tenant",
+                           *settings)
+        if not self._show("association", "where", f"account={name}", f"user={user}",
+                          "format=User"):
+            self._sacctmgr("add", "user", user, f"Account={name}", f"DefaultAccount={name}")
+        self._ensure_storage(name, uid, gid)
+        return self.get_tenant(name)
+
+    def _ensure_unix_user(self, user: str, home: Path) -> tuple[int, int]:
+        try:
+            grp.getgrnam(user)
+        except KeyError:
+            self.runner.run(["groupadd", "--system", user]).check()
+        try:
+            pw = pwd.getpwnam(user)
+        except KeyError:
+            self.runner.run(["useradd", "--system", "--gid", user, "--home-dir", str(home),
+                             "--no-create-home", "--shell", "/bin/bash", user]).check()
+            pw = pwd.getpwnam(user)
+        return pw.pw_uid, pw.pw_gid
+
+    def _ensure_storage(self, name: str, uid: int, gid: int) -> None:
+        tenants = self.storage_root / "tenants"
+        tenants.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.storage_root, 0o755)
+        os.chmod(tenants, 0o711)  # traversable, not listable: tenants cannot enumerate tenants
+        home = tenants / name
+        home.mkdir(exist_ok=True)
+        os.chown(home, uid, gid)
+        os.chmod(home, 0o700)
+
+    def list_tenants(self) -> list[Tenant]:
+        rows = self._show("association", "format=Account,User,ParentName,Fairshare,QOS,DefaultQOS")
+        return [self._tenant_from_row(r) for r in rows
+                if len(r) == 6 and r[1] == "" and r[2] == self.parent]
+
+    def get_tenant(self, name: str) -> Tenant:
+        for t in self.list_tenants():
+            if t.name == name:
+                return t
+        raise KeyError(f"no tenant {name!r}")
+
+    def _tenant_from_row(self, row: list[str]) -> Tenant:
+        account, _, _, shares, qos, default_qos = row
+        user = unix_user_for(account)
+        try:
+            pw: pwd.struct_passwd | None = pwd.getpwnam(user)
+        except KeyError:
+            pw = None
+        storage = self.storage_root / "tenants" / account
+        try:
+            st = storage.stat()
+            storage_ok = pw is not None and st.st_uid == pw.pw_uid and (st.st_mode & 0o777) == 0o700
+        except FileNotFoundError:
+            storage_ok = False
+        return Tenant(
+            name=account, unix_user=user, uid=pw.pw_uid if pw else None,
+            shares=int(shares) if shares.isdigit() else None,
+            qos=tuple(q for q in qos.split(",") if q), default_qos=default_qos or None,
+            storage=storage, storage_ok=storage_ok,
+        )

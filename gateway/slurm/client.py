@@ -1,0 +1,215 @@
+"""The Slurm client: every Slurm operation the platform performs.
+
+All reads come from parsable CLI output parsed into ``records``; all commands go
+through one ``Runner`` (local or SSH). ``states`` answers for any number of jobs
+with ONE squeue call plus at most ONE sacct call: the gateway never polls per job.
+
+pyslurm seam: the read methods (``states``, ``sacct``, ``sshare``,
+``drained_nodes``) only need records; a pyslurm-backed reader can replace them
+on clusters whose libslurm matches a PyPI pyslurm release. Debian 12 ships Slurm
+22.05, for which PyPI has no pyslurm build, so none is provided here
+(``pyslurm_status`` says so instead of pretending).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from gateway.slurm import records as rec
+from gateway.slurm.render import JobScript, render_sbatch
+from gateway.slurm.runner import DEFAULT_TIMEOUT_S, CommandResult, Runner, SlurmCommandError
+from gateway.slurm.validate import validate_unix_name
+
+# States in which a job may still own processes on a node.
+ACTIVE_STATES = frozenset({
+    "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED",
+    "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED",
+    "RESV_DEL_HOLD", "SPECIAL_EXIT",
+})
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """What Slurm says about one job right now.
+
+    ``source`` is ``squeue`` (still known to slurmctld), ``sacct`` (left the
+    queue; from the accounting DB) or ``missing`` (not yet visible anywhere:
+    never treat that as a failure).
+    """
+
+    job_id: int
+    state: str | None
+    reason: str | None
+    source: str
+    queue: rec.QueueRecord | None = None
+    acct: rec.AcctRecord | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.source == "missing" or (self.state in ACTIVE_STATES)
+
+
+@dataclass(frozen=True)
+class CancelResult:
+    job_id: int
+    seconds: float          # scancel → no process of the job left
+    escalated: bool         # SIGKILL had to be sent after the deadline
+    final_state: str | None
+
+
+def pyslurm_status() -> str:
+    """Why the pyslurm read path is not used on this installation."""
+    try:
+        import pyslurm  # type: ignore[import-not-found]  # noqa: F401
+    except ImportError as e:
+        return f"unavailable: {e} (PyPI has no pyslurm build for this Slurm; CLI reads are used)"
+    return "importable, but not wired: CLI reads are used"
+
+
+def _slurm_time(t: datetime) -> str:
+    """Slurm takes local wall-clock time without a zone."""
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=UTC)
+    return t.astimezone().strftime("%Y-%m-%dT%H:%M:%S")
+
+
+class SlurmClient:
+    """Slurm operations over a Runner. Methods raise SlurmCommandError with Slurm's text."""
+
+    def __init__(self, runner: Runner, *, timeout: float = DEFAULT_TIMEOUT_S):
+        self.runner = runner
+        self.timeout = timeout
+
+    def _run(self, argv: Sequence[str], *, input: str | None = None) -> CommandResult:
+        return self.runner.run(argv, timeout=self.timeout, input=input)
+
+    # ------------------------------------------------------------- writes
+    def submit(self, job: JobScript, *, user: str | None = None, group: str | None = None) -> int:
+        """Submit ``job``; as unix ``user`` (root gateway: ``--uid``) when given.
+
+        Returns the Slurm job id. Raises SlurmCommandError with sbatch's message
+        (e.g. ``Invalid account or account/partition combination specified``).
+        """
+        script = render_sbatch(job)
+        argv = ["sbatch", "--parsable"]
+        if user is not None:
+            argv += ["--uid", validate_unix_name(user), "--gid", validate_unix_name(group or user)]
+        out = self._run(argv, input=script).check().stdout.strip()
+        try:
+            return int(out.splitlines()[-1].split(";")[0])
+        except (ValueError, IndexError) as e:
+            raise SlurmCommandError(argv, 0, f"unexpected sbatch output: {out!r}") from e
+
+    def requeue(self, job_id: int) -> None:
+        self._run(["scontrol", "requeue", str(int(job_id))]).check()
+
+    def cancel(self, job_id: int, *, deadline_s: float = 30.0, poll_s: float = 0.25,
+               kill_wait_s: float = 60.0) -> CancelResult:
+        """Cancel ``job_id`` within ``deadline_s``: SIGTERM now, SIGKILL once it passes.
+
+        A running job gets SIGTERM on every step, batch script included, while
+        it stays RUNNING: a plain ``scancel`` would leave escalation to Slurm's
+        ``KillWait`` (a CANCELLED job takes no further signals). The batch
+        script then records the job CANCELLED itself; a job that needed SIGKILL
+        ends FAILED (signal 9) in accounting. A pending job is simply
+        cancelled. Returns when Slurm reports no process of the job left, with
+        how long that took. Raises SlurmCommandError if even SIGKILL does not
+        end it within ``kill_wait_s``.
+        """
+        jid = str(int(job_id))
+        start = time.monotonic()
+        status = self.states([job_id])[job_id]
+        if status.state in ("RUNNING", "SUSPENDED", "CONFIGURING"):
+            res = self._run(["scancel", "--signal=TERM", "--full", jid])
+            if res.returncode != 0:  # ended or not yet started meanwhile
+                self._run(["scancel", jid])
+        elif status.active:
+            self._run(["scancel", jid]).check()
+        escalated = False
+        while True:
+            status = self.states([job_id])[job_id]
+            if not status.active:
+                return CancelResult(job_id, time.monotonic() - start, escalated, status.state)
+            elapsed = time.monotonic() - start
+            if not escalated and elapsed >= deadline_s:
+                # KILL to the batch step: its cgroup takes every process with it.
+                # (``--full`` with KILL is a plain cancel in Slurm: KillWait again.)
+                self._run(["scancel", "--signal=KILL", "--batch", jid])
+                escalated = True
+            if elapsed >= deadline_s + kill_wait_s:
+                raise SlurmCommandError(["scancel", jid], 0,
+                                        f"job {jid} still {status.state} {elapsed:.0f}s after cancel")
+            time.sleep(poll_s)
+
+    # -------------------------------------------------------------- reads
+    def queue(self, job_ids: Iterable[int] | None = None) -> list[rec.QueueRecord]:
+        """squeue records (all jobs, or these ids) in ONE call."""
+        argv = ["squeue", "--noheader", "--states=all",
+                "--format=" + rec.format_string(rec.SQUEUE_FIELDS)]
+        if job_ids is not None:
+            ids = sorted({int(j) for j in job_ids})
+            if not ids:
+                return []
+            argv.append("--jobs=" + ",".join(map(str, ids)))
+        res = self._run(argv)
+        if res.returncode != 0 and "Invalid job id" in res.stderr:
+            return []  # every id already left slurmctld's memory
+        return rec.parse_squeue(res.check().stdout)
+
+    def accounting(self, job_ids: Iterable[int], *, duplicates: bool = False) -> list[rec.AcctRecord]:
+        """sacct job rows for these ids in ONE call (``duplicates``: every requeued run)."""
+        ids = sorted({int(j) for j in job_ids})
+        if not ids:
+            return []
+        argv = self._sacct_argv(duplicates=duplicates) + ["--jobs=" + ",".join(map(str, ids))]
+        return rec.parse_sacct(self._run(argv).check().stdout)
+
+    def states(self, job_ids: Iterable[int]) -> dict[int, JobStatus]:
+        """Current state of every id: ONE squeue call, plus ONE sacct call for ids not in it."""
+        ids = sorted({int(j) for j in job_ids})
+        out: dict[int, JobStatus] = {}
+        for q in self.queue(ids):
+            if q.job_id in ids:
+                out[q.job_id] = JobStatus(q.job_id, q.state, q.pending_reason, "squeue", queue=q)
+        gone = [j for j in ids if j not in out]
+        if gone:
+            for a in self.accounting(gone):
+                if a.job_id_raw in gone:
+                    out[a.job_id_raw] = JobStatus(a.job_id_raw, a.state, a.reason, "sacct", acct=a)
+        for j in ids:
+            out.setdefault(j, JobStatus(j, None, None, "missing"))
+        return out
+
+    def history(self, job_id: int) -> list[rec.AcctRecord]:
+        """Every run of one job (requeues included), oldest first."""
+        return self.accounting([job_id], duplicates=True)
+
+    def sacct(self, start: datetime, end: datetime, *,
+              accounts: Sequence[str] | None = None) -> list[rec.AcctRecord]:
+        """All job runs (requeues included) overlapping [start, end)."""
+        argv = self._sacct_argv(duplicates=True) + [
+            "--allusers", "--starttime=" + _slurm_time(start), "--endtime=" + _slurm_time(end)]
+        if accounts:
+            argv.append("--accounts=" + ",".join(validate_unix_name(a) for a in accounts))
+        return rec.parse_sacct(self._run(argv).check().stdout)
+
+    def sshare(self) -> list[rec.ShareRecord]:
+        argv = ["sshare", "--all", "--noheader", "--parsable2",
+                "--format=" + rec.field_names(rec.SSHARE_FIELDS)]
+        return rec.parse_sshare(self._run(argv).check().stdout)
+
+    def drained_nodes(self) -> list[rec.DrainedNode]:
+        argv = ["sinfo", "--list-reasons", "--Node", "--noheader",
+                "--format=" + rec.format_string(rec.SINFO_R_FIELDS)]
+        return rec.parse_sinfo_r(self._run(argv).check().stdout)
+
+    @staticmethod
+    def _sacct_argv(*, duplicates: bool) -> list[str]:
+        argv = ["sacct", "--noheader", "--parsable2", f"--delimiter={rec.DELIM}",
+                "--allocations", "--format=" + rec.field_names(rec.SACCT_FIELDS)]
+        if duplicates:
+            argv.append("--duplicates")
+        return argv

@@ -1,0 +1,344 @@
+"""The one-host development cluster: munge, MariaDB, slurmdbd, slurmctld, two slurmd.
+
+``up`` installs what is missing (apt), renders configs from slurm_templates/,
+creates fake GPU device files, starts every daemon it needs (recording PIDs),
+applies the QOS policy and waits until both nodes are idle. It is idempotent.
+``down`` stops only the PIDs ``up`` recorded; a MariaDB that was already running
+is reused and left alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from string import Template
+
+from gateway.slurm.admin import Admin
+from gateway.slurm.policy import load_policy
+from gateway.slurm.runner import LocalRunner, SlurmCommandError, SlurmError
+
+MARKER = "# slurm-finetune dev cluster"
+APT_PACKAGES = ("slurm-wlm", "slurmctld", "slurmd", "slurmdbd", "slurm-client", "munge",
+                "mariadb-server", "libpmix-dev", "python3-venv")
+NEEDED_BINARIES = ("sbatch", "slurmctld", "slurmd", "slurmdbd", "munged", "mariadbd", "sacctmgr")
+
+
+class DevClusterError(SlurmError):
+    """The dev cluster could not be brought up or down; the message says which step."""
+
+
+@dataclass(frozen=True)
+class DevClusterConfig:
+    host: str
+    cluster: str = "sftdev"
+    nodes: int = 2
+    gpus_per_node: int = 4
+    cpus_per_node: int = 16
+    mem_mb_per_node: int = 32000
+    ctld_port: int = 6817
+    dbd_port: int = 6819
+    node_port_base: int = 17001
+    conf_dir: Path = Path("/etc/slurm")
+    state_dir: Path = Path("/var/lib/slurm-finetune/devcluster")
+    log_dir: Path = Path("/var/log/slurm-finetune")
+    run_dir: Path = Path("/run/slurm-finetune")
+    runtime_prefix: Path = Path("/opt/slurm-finetune")
+    scratch_root: Path = Path("/var/lib/slurm-finetune/scratch")
+    storage_root: Path = Path("/srv/slurm-finetune")
+    db_name: str = "slurm_acct_db"
+    db_user: str = "slurm"
+    node_names: tuple[str, ...] = field(default=())
+
+    def names(self) -> tuple[str, ...]:
+        return self.node_names or tuple(f"{self.host}-n{i + 1}" for i in range(self.nodes))
+
+    @property
+    def pid_file(self) -> Path:
+        return self.state_dir / "pids.json"
+
+    @property
+    def libexec(self) -> Path:
+        return self.runtime_prefix / "libexec"
+
+
+def short_hostname() -> str:
+    return socket.gethostname().split(".")[0]
+
+
+# ------------------------------------------------------------------ rendering
+def _template(name: str) -> Template:
+    return Template(resources.files("slurm_templates").joinpath(name).read_text())
+
+
+def render_configs(cfg: DevClusterConfig, db_pass: str) -> dict[str, str]:
+    """Config file name → text. Pure: same config, same text."""
+    names = cfg.names()
+    g = cfg.gpus_per_node
+    node_lines = "\n".join(
+        f"NodeName={n} NodeHostname={cfg.host} NodeAddr=127.0.0.1 "
+        f"Port={cfg.node_port_base + i} CPUs={cfg.cpus_per_node} "
+        f"RealMemory={cfg.mem_mb_per_node} Gres=gpu:{g} State=UNKNOWN"
+        for i, n in enumerate(names))
+    gres_lines = "\n".join(
+        f"NodeName={n} Name=gpu File=/dev/nvidia[{i * g}-{i * g + g - 1}]"
+        for i, n in enumerate(names))
+    common = {
+        "cluster": cfg.cluster, "host": cfg.host, "ctld_port": cfg.ctld_port,
+        "dbd_port": cfg.dbd_port, "state_dir": cfg.state_dir, "run_dir": cfg.run_dir,
+        "log_dir": cfg.log_dir, "prolog": cfg.libexec / "prolog.sh",
+        "epilog": cfg.libexec / "epilog.sh", "nodes": node_lines,
+        "node_list": ",".join(names), "gres_lines": gres_lines,
+        "db_user": cfg.db_user, "db_pass": db_pass, "db_name": cfg.db_name,
+    }
+    return {
+        "slurm.conf": _template("slurm.conf.tmpl").substitute(common),
+        "gres.conf": _template("gres.conf.tmpl").substitute(common),
+        "cgroup.conf": _template("cgroup.conf.tmpl").substitute(common),
+        "slurmdbd.conf": _template("slurmdbd.conf.tmpl").substitute(common),
+    }
+
+
+def render_wrappers(cfg: DevClusterConfig) -> dict[str, str]:
+    values = {"scratch_root": cfg.scratch_root, "log_dir": cfg.log_dir}
+    return {n: _template(n).substitute(values) for n in ("prolog.sh", "epilog.sh")}
+
+
+def _write(path: Path, text: str, mode: int) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------- the cluster
+class DevCluster:
+    """Bring-up, tear-down and status of the one-host cluster (root only)."""
+
+    def __init__(self, cfg: DevClusterConfig | None = None, *,
+                 echo: Callable[[str], None] = print):
+        self.cfg = cfg or DevClusterConfig(host=short_hostname())
+        self.runner = LocalRunner()
+        self.echo = echo
+
+    # -- helpers
+    def _pids(self) -> dict[str, int]:
+        try:
+            return json.loads(self.cfg.pid_file.read_text())
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    def _save_pids(self, pids: dict[str, int]) -> None:
+        self.cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        _write(self.cfg.pid_file, json.dumps(pids, indent=1), 0o600)
+
+    @staticmethod
+    def _alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        try:  # a zombie is not alive
+            return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+        except (OSError, IndexError):
+            return False
+
+    def _wait(self, what: str, ok: Callable[[], bool], timeout: float, step: float = 0.2) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if ok():
+                return
+            time.sleep(step)
+        raise DevClusterError(f"{what} not ready after {timeout:.0f}s; see {self.cfg.log_dir}")
+
+    def _spawn(self, key: str, argv: list[str], pids: dict[str, int]) -> None:
+        pid = pids.get(key)
+        if pid and self._alive(pid):
+            return
+        log = open(self.cfg.log_dir / f"{key}.console.log", "ab")  # noqa: SIM115
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,  # noqa: S603
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        pids[key] = proc.pid
+        self._save_pids(pids)
+
+    def _ok(self, argv: list[str]) -> bool:
+        try:
+            return self.runner.run(argv, timeout=10).returncode == 0
+        except SlurmCommandError:
+            return False
+
+    # -- up
+    def up(self) -> float:
+        """Bring the cluster up; return the seconds it took. Raises DevClusterError."""
+        if os.geteuid() != 0:
+            raise DevClusterError("dev-cluster needs root (it starts daemons and adds users)")
+        t0 = time.monotonic()
+        self.ensure_packages()
+        for d in (self.cfg.state_dir / "slurmctld", self.cfg.state_dir / "slurmd", self.cfg.log_dir, self.cfg.run_dir,
+                  self.cfg.libexec, self.cfg.scratch_root):
+            d.mkdir(parents=True, exist_ok=True)
+        db_pass = self._db_password()
+        self.write_configs(db_pass)
+        self.make_fake_gpus()
+        pids = self._pids()
+        self.start_munge(pids)
+        self.start_mariadb(pids, db_pass)
+        self._spawn("slurmdbd", ["slurmdbd", "-D"], pids)
+        self._wait("slurmdbd", lambda: self._port_open(self.cfg.dbd_port), 30)
+        self._ensure_cluster_registered()
+        self._spawn("slurmctld", ["slurmctld", "-D"], pids)
+        self._wait("slurmctld", lambda: self._ok(["scontrol", "ping"]), 30)
+        for n in self.cfg.names():
+            self._spawn(f"slurmd-{n}", ["slurmd", "-D", "-N", n], pids)
+        self._wait("nodes", self._nodes_usable, 60)
+        Admin(self.runner, storage_root=self.cfg.storage_root).apply_qos(load_policy())
+        return time.monotonic() - t0
+
+    def ensure_packages(self) -> None:
+        missing = [b for b in NEEDED_BINARIES
+                   if not shutil.which(b, path="/usr/sbin:/usr/bin:/sbin:/bin")]
+        if not missing:
+            return
+        self.echo(f"installing Slurm packages (missing: {', '.join(missing)}) ...")
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        self.runner.run(["apt-get", "update", "-q"], timeout=600, env=env).check()
+        self.runner.run(["apt-get", "install", "-y", "-q", "--no-install-recommends",
+                         *APT_PACKAGES], timeout=1200, env=env).check()
+
+    def _db_password(self) -> str:
+        path = self.cfg.state_dir / "db.secret"
+        self.cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            _write(path, secrets.token_hex(16), 0o600)
+        return path.read_text().strip()
+
+    def write_configs(self, db_pass: str) -> None:
+        self.cfg.conf_dir.mkdir(parents=True, exist_ok=True)
+        for name, text in render_configs(self.cfg, db_pass).items():
+            path = self.cfg.conf_dir / name
+            if path.exists() and not path.read_text().startswith(MARKER):
+                raise DevClusterError(f"{path} exists and was not written by slurm-finetune: "
+                                      "refusing to overwrite a real cluster's configuration")
+            _write(path, text, 0o600 if name == "slurmdbd.conf" else 0o644)
+        for name, text in render_wrappers(self.cfg).items():
+            _write(self.cfg.libexec / name, text, 0o755)
+
+    def make_fake_gpus(self) -> None:
+        for i in range(self.cfg.nodes * self.cfg.gpus_per_node):
+            dev = Path(f"/dev/nvidia{i}")
+            if not dev.exists():
+                os.mknod(dev, 0o666 | stat.S_IFCHR, os.makedev(195, i))
+            os.chmod(dev, 0o666)
+
+    def start_munge(self, pids: dict[str, int]) -> None:
+        if self._ok(["munge", "-n"]):
+            return
+        run = Path("/run/munge")
+        run.mkdir(exist_ok=True)
+        shutil.chown(run, "munge", "munge")
+        key = Path("/etc/munge/munge.key")
+        if not key.exists():
+            _write(key, secrets.token_hex(512), 0o400)
+            shutil.chown(key, "munge", "munge")
+        self._spawn("munged", ["runuser", "-u", "munge", "--", "/usr/sbin/munged",
+                               "--foreground"], pids)
+        self._wait("munged", lambda: self._ok(["munge", "-n"]), 15)
+
+    def start_mariadb(self, pids: dict[str, int], db_pass: str) -> None:
+        ping = ["mariadb-admin", "--protocol=socket", "ping"]
+        if not self._ok(ping):
+            if not Path("/var/lib/mysql/mysql").exists():
+                self.runner.run(["mariadb-install-db", "--user=mysql",
+                                 "--datadir=/var/lib/mysql"], timeout=120).check()
+            run = Path("/run/mysqld")
+            run.mkdir(exist_ok=True)
+            shutil.chown(run, "mysql", "mysql")
+            self._spawn("mariadbd", ["/usr/sbin/mariadbd", "--user=mysql",
+                                     "--innodb-buffer-pool-size=1024M",
+                                     "--innodb-lock-wait-timeout=900"], pids)
+            self._wait("mariadb", lambda: self._ok(ping), 60)
+        u, d = self.cfg.db_user, self.cfg.db_name
+        sql = (f"CREATE USER IF NOT EXISTS '{u}'@'localhost' IDENTIFIED BY '{db_pass}';"
+               f"ALTER USER '{u}'@'localhost' IDENTIFIED BY '{db_pass}';"
+               f"GRANT ALL ON {d}.* TO '{u}'@'localhost';")
+        self.runner.run(["mariadb", "--protocol=socket", "-e", sql], timeout=30).check()
+
+    def _ensure_cluster_registered(self) -> None:
+        out = self.runner.run(["sacctmgr", "-n", "-P", "show", "cluster", "format=Cluster"],
+                              timeout=30).check().stdout.split()
+        if self.cfg.cluster not in out:
+            self.runner.run(["sacctmgr", "-i", "add", "cluster", self.cfg.cluster],
+                            timeout=30).check()
+
+    @staticmethod
+    def _port_open(port: int) -> bool:
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    def node_states(self) -> dict[str, str]:
+        res = self.runner.run(["sinfo", "-h", "-N", "-o", "%N %T"], timeout=10)
+        if res.returncode != 0:
+            return {}
+        return dict(line.split() for line in res.stdout.splitlines() if line.strip())
+
+    def _nodes_usable(self) -> bool:
+        states = self.node_states()
+        names = self.cfg.names()
+        if set(states) != set(names):
+            return False
+        stuck = [n for n, s in states.items() if s.rstrip("*") in ("down", "drained", "draining",
+                                                                   "drain", "inval")]
+        if stuck:  # left over from an earlier run: a fresh bring-up resumes them
+            self.runner.run(["scontrol", "update", "nodename=" + ",".join(stuck),
+                             "state=resume"], timeout=10)
+            return False
+        return all(s.rstrip("*") in ("idle", "mixed", "allocated", "completing")
+                   for s in states.values())
+
+    # -- down / status
+    def down(self, timeout: float = 20.0) -> list[str]:
+        """Stop the daemons ``up`` started (only those PIDs); return their names."""
+        pids = self._pids()
+        order = [k for k in pids if k.startswith("slurmd-")] + \
+                [k for k in ("slurmctld", "slurmdbd", "mariadbd", "munged") if k in pids]
+        stopped = []
+        for key in order:
+            pid = pids[key]
+            if self._alive(pid):
+                try:
+                    os.killpg(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+                stopped.append(key)
+        deadline = time.monotonic() + timeout
+        for key in order:
+            while self._alive(pids[key]) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if self._alive(pids[key]):
+                os.killpg(pids[key], signal.SIGKILL)
+        self._save_pids({})
+        return stopped
+
+    def status(self) -> dict[str, object]:
+        pids = self._pids()
+        return {
+            "daemons": {k: {"pid": p, "alive": self._alive(p)} for k, p in pids.items()},
+            "nodes": self.node_states() if pids else {},
+        }

@@ -1,0 +1,308 @@
+"""Typed records parsed from Slurm's parsable output.
+
+Each record names its Slurm fields once (``FIELDS``: Slurm name, attribute,
+parser). The client asks for exactly those fields with a delimiter that cannot
+occur in them, and ``parse_rows`` turns the output into frozen dataclasses,
+raising ``SlurmParseError`` on a field-count mismatch instead of guessing.
+Step rows (``123.batch``, ``123.extern``, ``123.0``) are dropped from sacct.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+from gateway.slurm.runner import SlurmError
+
+# ASCII unit separator: cannot occur in account, user, QOS or job names.
+DELIM = "\x1f"
+
+
+class SlurmParseError(SlurmError):
+    """Slurm printed something we cannot parse into a record."""
+
+
+_NONE_WORDS = {"", "N/A", "NONE", "None", "Unknown", "(null)", "n/a", "INVALID"}
+
+
+def opt_str(v: str) -> str | None:
+    return None if v in _NONE_WORDS else v
+
+
+def opt_int(v: str) -> int | None:
+    v = v.strip()
+    if v in _NONE_WORDS:
+        return None
+    try:
+        return int(v)
+    except ValueError as e:
+        raise SlurmParseError(f"not an integer: {v!r}") from e
+
+
+def opt_float(v: str) -> float | None:
+    v = v.strip()
+    if v in _NONE_WORDS:
+        return None
+    try:
+        return float(v)
+    except ValueError as e:
+        raise SlurmParseError(f"not a number: {v!r}") from e
+
+
+def opt_time(v: str) -> datetime | None:
+    """Slurm prints local wall-clock time without a zone; return it UTC-aware."""
+    v = v.strip()
+    if v in _NONE_WORDS:
+        return None
+    try:
+        return datetime.fromisoformat(v).astimezone(UTC)
+    except ValueError as e:
+        raise SlurmParseError(f"not a Slurm timestamp: {v!r}") from e
+
+
+def state_word(v: str) -> str:
+    """``CANCELLED by 0`` → ``CANCELLED``; ``RUNNING`` stays."""
+    return v.split(" ", 1)[0].strip()
+
+
+def exit_code(v: str) -> tuple[int, int] | None:
+    """``0:15`` → (0, 15): the exit status and the terminating signal."""
+    if v in _NONE_WORDS:
+        return None
+    code, _, sig = v.partition(":")
+    return int(code), int(sig or 0)
+
+
+_GPU_RE = re.compile(r"gres/gpu(?::[^=,]+)?=(\d+)")
+
+
+def gpu_count(tres: str) -> int:
+    """GPUs in a TRES string (``cpu=1,gres/gpu=2,mem=1G`` → 2).
+
+    A typed count (``gres/gpu:h100=2``) is reported alongside the untyped
+    total by Slurm; take the untyped one when present, else sum the typed.
+    """
+    if not tres:
+        return 0
+    untyped = re.search(r"(?:^|,)gres/gpu=(\d+)", tres)
+    if untyped:
+        return int(untyped.group(1))
+    return sum(int(m) for m in _GPU_RE.findall(tres))
+
+
+def gres_gpu_count(gres: str) -> int:
+    """GPUs in squeue's ``%b`` (``gres:gpu:1``, ``gres/gpu:2``, ``gpu:a100:1``)."""
+    total = 0
+    for part in gres.split(","):
+        bits = part.replace("gres/", "").replace("gres:", "").split(":")
+        if bits and bits[0] == "gpu":
+            try:
+                total += int(bits[-1]) if len(bits) > 1 else 1
+            except ValueError:
+                total += 1
+    return total
+
+
+Field = tuple[str, str, Callable[[str], Any]]
+R = TypeVar("R")
+
+
+def parse_rows(
+    text: str, fields: tuple[Field, ...], make: Callable[..., R], delim: str = DELIM
+) -> Iterator[R]:
+    """Yield one record per non-empty line; raise SlurmParseError on a bad line."""
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        values = line.split(delim)
+        if len(values) != len(fields):
+            raise SlurmParseError(
+                f"line {lineno}: expected {len(fields)} fields, got {len(values)}: {line[:200]!r}"
+            )
+        kwargs = {}
+        for (slurm_name, attr, parse), raw in zip(fields, values, strict=True):
+            try:
+                kwargs[attr] = parse(raw)
+            except (SlurmParseError, ValueError) as e:
+                raise SlurmParseError(f"line {lineno}, field {slurm_name}: {e}") from e
+        yield make(**kwargs)
+
+
+def format_string(fields: tuple[Field, ...], delim: str = DELIM) -> str:
+    """The format argument (``%A<delim>%T…``) for squeue/sinfo ``-o``."""
+    return delim.join(f[0] for f in fields)
+
+
+def field_names(fields: tuple[Field, ...]) -> str:
+    """The ``--format`` argument (``JobID,State,…``) for sacct/sshare."""
+    return ",".join(f[0] for f in fields)
+
+
+# --------------------------------------------------------------------- squeue
+@dataclass(frozen=True)
+class QueueRecord:
+    job_id: int
+    state: str
+    reason: str | None
+    user: str
+    account: str
+    qos: str
+    submit: datetime | None
+    start: datetime | None
+    nodes: str | None
+    name: str
+    gpus: int
+
+    @property
+    def pending_reason(self) -> str | None:
+        return self.reason if self.state == "PENDING" else None
+
+
+SQUEUE_FIELDS: tuple[Field, ...] = (
+    ("%A", "job_id", int),
+    ("%T", "state", state_word),
+    ("%r", "reason", opt_str),
+    ("%u", "user", str),
+    ("%a", "account", str),
+    ("%q", "qos", str),
+    ("%V", "submit", opt_time),
+    ("%S", "start", opt_time),
+    ("%N", "nodes", opt_str),
+    ("%j", "name", str),
+    ("%b", "gpus", gres_gpu_count),
+)
+
+
+def parse_squeue(text: str) -> list[QueueRecord]:
+    return list(parse_rows(text, SQUEUE_FIELDS, QueueRecord))
+
+
+# ---------------------------------------------------------------------- sacct
+@dataclass(frozen=True)
+class AcctRecord:
+    job_id: str          # as printed: "123", "123_4" (array task), "123+0" (het)
+    job_id_raw: int
+    name: str
+    user: str | None
+    account: str | None
+    qos: str | None
+    state: str
+    exit: tuple[int, int] | None
+    reason: str | None
+    submit: datetime | None
+    eligible: datetime | None
+    start: datetime | None
+    end: datetime | None
+    elapsed_s: int | None
+    alloc_tres: str
+    req_tres: str
+    nodes: str | None
+    timelimit: str | None
+
+    @property
+    def gpus(self) -> int:
+        """GPUs allocated, or requested while the job has no allocation yet."""
+        return gpu_count(self.alloc_tres) or gpu_count(self.req_tres)
+
+    @property
+    def wait_s(self) -> float | None:
+        if self.submit is None or self.start is None:
+            return None
+        return (self.start - self.submit).total_seconds()
+
+
+SACCT_FIELDS: tuple[Field, ...] = (
+    ("JobID", "job_id", str),
+    ("JobIDRaw", "job_id_raw", lambda v: int(v.split(".")[0].split("+")[0])),
+    ("JobName", "name", str),
+    ("User", "user", opt_str),
+    ("Account", "account", opt_str),
+    ("QOS", "qos", opt_str),
+    ("State", "state", state_word),
+    ("ExitCode", "exit", exit_code),
+    ("Reason", "reason", opt_str),
+    ("Submit", "submit", opt_time),
+    ("Eligible", "eligible", opt_time),
+    ("Start", "start", opt_time),
+    ("End", "end", opt_time),
+    ("ElapsedRaw", "elapsed_s", opt_int),
+    ("AllocTRES", "alloc_tres", str),
+    ("ReqTRES", "req_tres", str),
+    ("NodeList", "nodes", opt_str),
+    ("Timelimit", "timelimit", opt_str),
+)
+
+_STEP_RE = re.compile(r"\.(batch|extern|interactive|\d+)$")
+
+
+def parse_sacct(text: str) -> list[AcctRecord]:
+    """Job (allocation) rows only; step rows are dropped before parsing."""
+    keep = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        job_id = line.split(DELIM, 1)[0]
+        if _STEP_RE.search(job_id):
+            continue
+        keep.append(line)
+    return list(parse_rows("\n".join(keep), SACCT_FIELDS, AcctRecord))
+
+
+# --------------------------------------------------------------------- sshare
+@dataclass(frozen=True)
+class ShareRecord:
+    account: str
+    user: str | None     # None: the account's own row
+    raw_shares: int | None
+    norm_shares: float | None
+    raw_usage: int | None
+    effective_usage: float | None
+    fairshare: float | None
+    level_fs: float | None
+
+    @property
+    def is_account_row(self) -> bool:
+        return self.user is None
+
+
+SSHARE_FIELDS: tuple[Field, ...] = (
+    ("Account", "account", lambda v: v.strip()),
+    ("User", "user", opt_str),
+    ("RawShares", "raw_shares", lambda v: None if v.strip() == "parent" else opt_int(v)),
+    ("NormShares", "norm_shares", opt_float),
+    ("RawUsage", "raw_usage", opt_int),
+    ("EffectvUsage", "effective_usage", opt_float),
+    ("FairShare", "fairshare", opt_float),
+    ("LevelFS", "level_fs", lambda v: None if v.strip() == "inf" else opt_float(v)),
+)
+
+
+def parse_sshare(text: str) -> list[ShareRecord]:
+    """``sshare -a -n -P`` output (``|``-delimited; names cannot hold ``|``)."""
+    return list(parse_rows(text, SSHARE_FIELDS, ShareRecord, delim="|"))
+
+
+# ---------------------------------------------------------------------- sinfo
+@dataclass(frozen=True)
+class DrainedNode:
+    node: str
+    state: str
+    since: datetime | None
+    by_user: str | None
+    reason: str
+
+
+SINFO_R_FIELDS: tuple[Field, ...] = (
+    ("%N", "node", str),
+    ("%T", "state", str),
+    ("%H", "since", opt_time),
+    ("%u", "by_user", opt_str),
+    ("%E", "reason", str),
+)
+
+
+def parse_sinfo_r(text: str) -> list[DrainedNode]:
+    return list(parse_rows(text, SINFO_R_FIELDS, DrainedNode))

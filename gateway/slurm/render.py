@@ -1,0 +1,97 @@
+"""Render the sbatch script for a job: a pure function over plain data.
+
+Values that reach ``#SBATCH`` lines are checked against a strict character set
+(sbatch parses those lines itself, not a shell); values that reach the shell
+body are quoted with ``shlex.quote``. The directives come in the fixed order of
+``slurm_templates/finetune.sbatch``, so a golden-file test pins the output.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+from importlib import resources
+from string import Template
+
+from gateway.slurm.runner import SlurmError
+
+_DIRECTIVE_SAFE = re.compile(r"^[A-Za-z0-9._/@:+=,-]+$")
+_ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
+
+
+class RenderError(SlurmError, ValueError):
+    """A value cannot be placed in an sbatch script safely."""
+
+
+@dataclass(frozen=True)
+class JobScript:
+    """Everything the sbatch script needs; paths are absolute."""
+
+    job_name: str
+    account: str
+    qos: str
+    job_dir: str
+    command: tuple[str, ...]
+    gpus: int = 1
+    cpus: int = 1
+    mem_mb: int = 4096
+    time_limit_min: int = 60
+    grace_s: int = 90
+    partition: str | None = None
+    requeue: bool = True
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def format_time_limit(minutes: int) -> str:
+    """Minutes → Slurm's ``D-HH:MM:00`` (``90`` → ``0-01:30:00``)."""
+    days, rest = divmod(minutes, 24 * 60)
+    return f"{days}-{rest // 60:02d}:{rest % 60:02d}:00"
+
+
+def _directive(name: str, value: str) -> str:
+    if not _DIRECTIVE_SAFE.match(value):
+        raise RenderError(
+            f"{name} {value!r} contains characters not allowed in an sbatch directive "
+            "(allowed: letters, digits and ._/@:+=,-)"
+        )
+    return value
+
+
+def _positive(name: str, value: int, maximum: int) -> str:
+    if not isinstance(value, int) or not 0 < value <= maximum:
+        raise RenderError(f"{name} must be an integer in 1..{maximum}, got {value!r}")
+    return str(value)
+
+
+def render_sbatch(job: JobScript) -> str:
+    """Return the batch script text for ``job``; raise RenderError on an unsafe value."""
+    if not job.command:
+        raise RenderError("command must not be empty")
+    if not job.job_dir.startswith("/"):
+        raise RenderError(f"job_dir must be absolute, got {job.job_dir!r}")
+    for key in job.env:
+        if not _ENV_NAME.match(key):
+            raise RenderError(f"environment variable name {key!r} is not allowed")
+    exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(job.env.items()))
+    values = {
+        "job_name": _directive("job_name", job.job_name),
+        "account": _directive("account", job.account),
+        "qos": _directive("qos", job.qos),
+        "partition_line": (
+            f"#SBATCH --partition={_directive('partition', job.partition)}\n"
+            if job.partition else ""
+        ),
+        "gpus": _positive("gpus", job.gpus, 64),
+        "cpus": _positive("cpus", job.cpus, 1024),
+        "mem_mb": _positive("mem_mb", job.mem_mb, 16 * 1024 * 1024),
+        "time_limit": format_time_limit(int(_positive("time_limit_min", job.time_limit_min,
+                                                       365 * 24 * 60))),
+        "grace_s": _positive("grace_s", job.grace_s, 3600),
+        "requeue_line": "#SBATCH --requeue\n" if job.requeue else "#SBATCH --no-requeue\n",
+        "job_dir": _directive("job_dir", job.job_dir),
+        "exports": exports,
+        "command": shlex.join(job.command),
+    }
+    text = resources.files("slurm_templates").joinpath("finetune.sbatch").read_text()
+    return Template(text).substitute(values)
