@@ -25,7 +25,7 @@ class SlurmParseError(SlurmError):
     """Slurm printed something we cannot parse into a record."""
 
 
-_NONE_WORDS = {"", "N/A", "NONE", "None", "Unknown", "(null)", "n/a", "INVALID"}
+_NONE_WORDS = {"", "N/A", "NONE", "None", "Unknown", "(null)", "n/a", "INVALID", "None assigned"}
 
 
 def opt_str(v: str) -> str | None:
@@ -208,8 +208,15 @@ class AcctRecord:
         return gpu_count(self.alloc_tres) or gpu_count(self.req_tres)
 
     @property
+    def ran(self) -> bool:
+        """Whether the job ever got an allocation (Slurm sets Start=End=Submit
+        for a job cancelled before it started, so Start alone does not tell)."""
+        return bool(self.alloc_tres)
+
+    @property
     def wait_s(self) -> float | None:
-        if self.submit is None or self.start is None:
+        """Queue wait (Start - Submit); None for a job that never ran."""
+        if not self.ran or self.submit is None or self.start is None:
             return None
         return (self.start - self.submit).total_seconds()
 

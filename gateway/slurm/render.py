@@ -50,7 +50,7 @@ def format_time_limit(minutes: int) -> str:
 
 
 def _directive(name: str, value: str) -> str:
-    if not _DIRECTIVE_SAFE.match(value):
+    if not isinstance(value, str) or not _DIRECTIVE_SAFE.fullmatch(value):
         raise RenderError(
             f"{name} {value!r} contains characters not allowed in an sbatch directive "
             "(allowed: letters, digits and ._/@:+=,-)"
@@ -71,7 +71,7 @@ def render_sbatch(job: JobScript) -> str:
     if not job.job_dir.startswith("/"):
         raise RenderError(f"job_dir must be absolute, got {job.job_dir!r}")
     for key in job.env:
-        if not _ENV_NAME.match(key):
+        if not _ENV_NAME.fullmatch(key):
             raise RenderError(f"environment variable name {key!r} is not allowed")
     exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(job.env.items()))
     values = {

@@ -22,7 +22,7 @@ class InvalidNameError(SlurmError, ValueError):
 
 def validate_tenant_name(name: str) -> str:
     """Return ``name`` if it is a valid tenant name; raise InvalidNameError naming the rule."""
-    if not isinstance(name, str) or not TENANT_RE.match(name):
+    if not isinstance(name, str) or not TENANT_RE.fullmatch(name):
         raise InvalidNameError(
             f"invalid tenant name {name!r}: use 2-24 characters, lowercase letters, digits, "
             "'-' or '_', starting with a letter (it becomes a Slurm account, a unix user "
@@ -33,13 +33,13 @@ def validate_tenant_name(name: str) -> str:
 
 def validate_unix_name(name: str) -> str:
     """Return ``name`` if valid as a unix user/group or Slurm account; raise otherwise."""
-    if not isinstance(name, str) or not _UNIX_RE.match(name):
+    if not isinstance(name, str) or not _UNIX_RE.fullmatch(name):
         raise InvalidNameError(f"invalid user, group or account name {name!r}")
     return name
 
 
 def validate_qos_name(name: str) -> str:
-    if not isinstance(name, str) or not _QOS_RE.match(name):
+    if not isinstance(name, str) or not _QOS_RE.fullmatch(name):
         raise InvalidNameError(
             f"invalid QOS name {name!r}: lowercase letters, digits, '-' or '_', "
             "starting with a letter, at most 32 characters"

@@ -1,0 +1,114 @@
+"""Helpers shared by the trainer tests (spec builder, trainer subprocess runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+CANARY = "CANARY-5f2e9d7c-DO-NOT-LOG"
+
+@dataclass(frozen=True)
+class Tiny:
+    root: Path
+    name: str
+    digest: str
+    path: Path
+
+
+@dataclass(frozen=True)
+class ToyData:
+    train: Path
+    train_sha: str
+    val: Path
+    val_sha: str
+
+
+def make_spec(tiny: Tiny, toy: ToyData, job_dir: Path, **hyper: Any) -> dict[str, Any]:
+    """A small valid spec dict; keyword arguments override hyperparameters."""
+    hp = {
+        "epochs": 2, "learning_rate": 1e-2, "batch_size_tokens": 384, "max_seq_len": 256,
+        "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.05, "warmup_steps": 4, "seed": 0,
+        "gradient_checkpointing": True,
+    }
+    hp.update(hyper)
+    return {
+        "job_id": "job-test",
+        "base_model": {"name": tiny.name, "digest": tiny.digest, "catalog_root": str(tiny.root)},
+        "train": {"path": str(toy.train), "sha256": toy.train_sha},
+        "validation": {"path": str(toy.val), "sha256": toy.val_sha},
+        "hyperparameters": hp,
+        "job_dir": str(job_dir),
+        "checkpoint_every_steps": 4,
+        "keep_checkpoints": 2,
+    }
+
+
+def write_spec(spec: dict[str, Any], path: Path) -> Path:
+    path.write_text(json.dumps(spec), encoding="utf-8")
+    return path
+
+
+def trainer_env(attempt: int | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"})
+    if attempt is not None:
+        env["SLURM_RESTART_COUNT"] = str(attempt)
+    return env
+
+
+def start_trainer(spec_path: Path, log: Path, attempt: int | None = None) -> subprocess.Popen[bytes]:
+    """Start ``python -m trainer run`` as a real process, output to ``log``."""
+    out = open(log, "ab")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainer", "run", str(spec_path)],
+        cwd=REPO, env=trainer_env(attempt), stdout=out, stderr=subprocess.STDOUT,
+    )
+
+
+def run_trainer(spec_path: Path, log: Path, attempt: int | None = None, timeout: float = 300) -> int:
+    """Run the trainer to its end; return its exit code."""
+    proc = start_trainer(spec_path, log, attempt)
+    return proc.wait(timeout=timeout)
+
+
+def events(job_dir: Path) -> list[dict[str, Any]]:
+    from trainer.events import read_events
+
+    path = job_dir / "events.jsonl"
+    return read_events(path) if path.exists() else []
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.005) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
+def losses(staging: Path) -> list[tuple[int, float]]:
+    lines = (staging / "metrics.jsonl").read_text().splitlines()
+    return [(m["step"], m["loss"]) for m in map(json.loads, lines)]
+
+
+@dataclass(frozen=True)
+class Reference:
+    spec: dict[str, Any]
+    job_dir: Path
+    staging: Path
+    log: Path
+    rc: int
+    seconds: float
+
+

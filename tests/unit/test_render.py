@@ -1,0 +1,78 @@
+"""The sbatch renderer: golden file, quoting, refusal of unsafe values."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from gateway.slurm.render import JobScript, RenderError, format_time_limit, render_sbatch
+
+GOLDEN = Path(__file__).parent.parent / "data" / "golden" / "finetune.sbatch"
+
+
+def job(**kw: object) -> JobScript:
+    base: dict[str, object] = dict(
+        job_name="ft-job-42", account="acme", qos="ft-standard",
+        job_dir="/srv/slurm-finetune/tenants/acme/jobs/ftjob-42",
+        command=("/opt/slurm-finetune/venv/bin/python", "-m", "trainer", "run",
+                 "/srv/slurm-finetune/tenants/acme/jobs/ftjob-42/spec.json"),
+        gpus=1, cpus=2, mem_mb=8192, time_limit_min=95, grace_s=90,
+        env={"HF_HUB_OFFLINE": "1", "SFT_NOTE": "it's $(here)"},
+    )
+    base.update(kw)
+    return JobScript(**base)  # type: ignore[arg-type]
+
+
+def test_golden_file() -> None:
+    text = render_sbatch(job())
+    if os.environ.get("UPDATE_GOLDEN"):
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text()
+
+
+def test_directives_in_fixed_order() -> None:
+    lines = [ln.split("=")[0] for ln in render_sbatch(job(partition="gpu")).splitlines()
+             if ln.startswith("#SBATCH")]
+    assert lines == ["#SBATCH --job-name", "#SBATCH --account", "#SBATCH --qos",
+                     "#SBATCH --partition", "#SBATCH --gres", "#SBATCH --nodes",
+                     "#SBATCH --ntasks", "#SBATCH --cpus-per-task", "#SBATCH --mem",
+                     "#SBATCH --time", "#SBATCH --signal", "#SBATCH --requeue",
+                     "#SBATCH --chdir", "#SBATCH --output", "#SBATCH --open-mode"]
+
+
+def test_shell_values_are_quoted() -> None:
+    text = render_sbatch(job(command=("/bin/echo", "a b; rm -rf /", "$(id)")))
+    assert "/bin/echo 'a b; rm -rf /' '$(id)' &" in text
+    assert "export SFT_NOTE=''\"'\"'s $(here)'" not in text  # shlex quoting, below
+    assert "export SFT_NOTE='it'\"'\"'s $(here)'" in text
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("account", "acme --uid=0"), ("account", "acme\n#SBATCH --uid=0"), ("qos", "ft;id"),
+    ("job_name", "a b"), ("job_dir", "/srv/x y"), ("partition", "gpu\nx"),
+])
+def test_unsafe_directive_values_refused(field: str, value: str) -> None:
+    with pytest.raises(RenderError, match=field):
+        render_sbatch(job(**{field: value}))
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("gpus", 0), ("cpus", -1), ("time_limit_min", 0), ("mem_mb", "4G")])
+def test_out_of_range_numbers_refused(field: str, value: object) -> None:
+    with pytest.raises(RenderError, match=field):
+        render_sbatch(job(**{field: value}))
+
+
+def test_relative_job_dir_and_bad_env_name_refused() -> None:
+    with pytest.raises(RenderError, match="absolute"):
+        render_sbatch(job(job_dir="jobs/x"))
+    with pytest.raises(RenderError, match="environment variable"):
+        render_sbatch(job(env={"A;B": "x"}))
+
+
+@pytest.mark.parametrize(("minutes", "text"), [(1, "0-00:01:00"), (95, "0-01:35:00"),
+                                                (1440, "1-00:00:00"), (4321, "3-00:01:00")])
+def test_time_limit_format(minutes: int, text: str) -> None:
+    assert format_time_limit(minutes) == text

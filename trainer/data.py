@@ -1,0 +1,226 @@
+"""Chat datasets: integrity check, line validation, tokenization with loss masks.
+
+Input is OpenAI-style chat JSONL: one ``{"messages": [...]}`` per line, roles
+system/user/assistant, an optional ``weight`` (0 or 1) on assistant messages.
+Errors name the dataset and the line number, never the text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from trainer.errors import DatasetError
+from trainer.packing import Example, mask_from_spans, mask_runs
+
+ROLES = frozenset({"system", "user", "assistant"})
+MESSAGE_KEYS = frozenset({"role", "content", "weight"})
+_GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+class ChatTokenizer(Protocol):
+    """The part of a Hugging Face tokenizer this module uses."""
+
+    chat_template: Any
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+    def __call__(self, text: str, **kwargs: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One validated dataset line."""
+
+    line: int
+    messages: list[dict[str, str]]
+    weights: list[int]  # one per assistant message, in order
+
+
+def sha256_file(path: str | Path) -> str:
+    """Return the hex sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_sha256(path: str | Path, expected: str, what: str) -> None:
+    """Check a dataset file against the sha256 pinned in the spec.
+
+    Raises:
+        DatasetError: the file is unreadable or its sha256 differs.
+    """
+    try:
+        actual = sha256_file(path)
+    except OSError as e:
+        raise DatasetError(f"{what} dataset {path}: cannot read ({e.strerror})") from e
+    if actual != expected:
+        raise DatasetError(
+            f"{what} dataset {path}: sha256 is {actual} but the spec pins {expected}; "
+            "the file changed after upload - re-upload it and submit a new job"
+        )
+
+
+def _validate_line(obj: Any, where: str) -> tuple[list[dict[str, str]], list[int]]:
+    if not isinstance(obj, dict) or set(obj) - {"messages"} or "messages" not in obj:
+        raise DatasetError(f"{where}: expected an object with only the key 'messages'")
+    messages = obj["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise DatasetError(f"{where}: 'messages' must be a non-empty list")
+    clean: list[dict[str, str]] = []
+    weights: list[int] = []
+    for i, message in enumerate(messages):
+        at = f"{where}, message {i}"
+        if not isinstance(message, dict) or set(message) - MESSAGE_KEYS:
+            raise DatasetError(f"{at}: expected keys among {sorted(MESSAGE_KEYS)}")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise DatasetError(f"{at}: role must be one of {sorted(ROLES)}")
+        if not isinstance(content, str):
+            raise DatasetError(f"{at}: 'content' must be a string")
+        if "weight" in message:
+            if role != "assistant":
+                raise DatasetError(f"{at}: 'weight' is allowed on assistant messages only")
+            if message["weight"] not in (0, 1) or isinstance(message["weight"], bool):
+                raise DatasetError(f"{at}: 'weight' must be 0 or 1")
+        if role == "assistant":
+            weights.append(int(message.get("weight", 1)))
+        clean.append({"role": role, "content": content})
+    if not any(weights):
+        raise DatasetError(f"{where}: no assistant message with weight 1 (nothing to learn)")
+    return clean, weights
+
+
+def read_conversations(path: str | Path, what: str) -> list[Conversation]:
+    """Read and validate every line of a chat JSONL file (blank lines are skipped).
+
+    Raises:
+        DatasetError: naming the first invalid line (never its text).
+    """
+    conversations: list[Conversation] = []
+    try:
+        with open(path, "rb") as f:
+            for number, raw in enumerate(f, start=1):
+                where = f"{what} dataset line {number}"
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DatasetError(f"{where}: not valid UTF-8") from e
+                if not text.strip():
+                    continue
+                try:
+                    obj = json.loads(text)
+                except json.JSONDecodeError as e:
+                    raise DatasetError(f"{where}: not valid JSON (column {e.colno})") from e
+                messages, weights = _validate_line(obj, where)
+                conversations.append(Conversation(number, messages, weights))
+    except OSError as e:
+        raise DatasetError(f"{what} dataset {path}: cannot read ({e.strerror})") from e
+    if not conversations:
+        raise DatasetError(f"{what} dataset {path}: no examples")
+    return conversations
+
+
+def has_generation_marks(tokenizer: ChatTokenizer) -> bool:
+    """True when the chat template marks assistant output with ``{% generation %}``."""
+    template = tokenizer.chat_template
+    return isinstance(template, str) and bool(_GENERATION_MARK.search(template))
+
+
+def _encode(tokenizer: ChatTokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _spans_by_prefix(
+    tokenizer: ChatTokenizer, messages: list[dict[str, str]], ids: list[int], where: str
+) -> list[tuple[int, int]]:
+    """Locate each assistant message by rendering the conversation up to it."""
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(
+            messages[:i], tokenize=False, add_generation_prompt=True
+        )
+        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        start, end = len(_encode(tokenizer, before)), _encode(tokenizer, upto)
+        if ids[: len(end)] != end:
+            raise DatasetError(
+                f"{where}: the chat template does not render conversations as prefixes of "
+                "each other; the base model's template needs {% generation %} marks"
+            )
+        spans.append((start, len(end)))
+    return spans
+
+
+def tokenize_conversation(
+    tokenizer: ChatTokenizer, conversation: Conversation, what: str
+) -> Example:
+    """Tokenize with the base model's chat template; mask = trained assistant tokens.
+
+    Raises:
+        DatasetError: the template cannot be rendered for this line.
+    """
+    where = f"{what} dataset line {conversation.line}"
+    messages = conversation.messages
+    if has_generation_marks(tokenizer):
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        ids = list(out["input_ids"])
+        mask = list(out["assistant_masks"])
+        spans = mask_runs(mask)
+        if len(spans) == len(conversation.weights):
+            return Example(tuple(ids), tuple(mask_from_spans(len(ids), spans, conversation.weights)), conversation.line)
+        if all(conversation.weights):
+            return Example(tuple(ids), tuple(mask), conversation.line)
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    ids = _encode(tokenizer, text)
+    spans = _spans_by_prefix(tokenizer, messages, ids, where)
+    mask = mask_from_spans(len(ids), spans, conversation.weights)
+    return Example(tuple(ids), tuple(mask), conversation.line)
+
+
+def tokenize_all(
+    tokenizer: ChatTokenizer, conversations: list[Conversation], max_seq_len: int, what: str
+) -> list[Example]:
+    """Tokenize every conversation; refuse any longer than ``max_seq_len``.
+
+    Raises:
+        DatasetError: naming the line and its token count.
+    """
+    examples = []
+    for conversation in conversations:
+        example = tokenize_conversation(tokenizer, conversation, what)
+        if len(example) > max_seq_len:
+            raise DatasetError(
+                f"{what} dataset line {conversation.line}: {len(example)} tokens > "
+                f"max_seq_len {max_seq_len}; shorten or split that conversation, "
+                "or raise hyperparameters.max_seq_len"
+            )
+        if not any(example.loss_mask):
+            raise DatasetError(f"{what} dataset line {conversation.line}: no trained tokens")
+        examples.append(example)
+    return examples
+
+
+def holdout_split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Split ``n`` example indices into (train, validation), fixed by ``seed``.
+
+    Raises:
+        DatasetError: fewer than 2 examples (nothing left to train on).
+    """
+    if n < 2:
+        raise DatasetError(f"train dataset has {n} example(s); need >= 2 to hold some out")
+    held = min(n - 1, max(1, math.ceil(n * fraction)))
+    order = list(range(n))
+    random.Random(seed ^ 0x5EED).shuffle(order)
+    return sorted(order[held:]), sorted(order[:held])

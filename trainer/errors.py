@@ -1,0 +1,32 @@
+"""Exception hierarchy of the trainer.
+
+Every error a tenant or an operator can act on is a ``TrainerError``; the
+entry point maps each class to an exit code (see ``trainer.exitcodes``).
+Messages name the field, the line or the file, never dataset text.
+"""
+
+from __future__ import annotations
+
+
+class TrainerError(Exception):
+    """Base class of every error the trainer raises on purpose."""
+
+
+class SpecError(TrainerError):
+    """The job spec is missing, unreadable or invalid (names the field)."""
+
+
+class DatasetError(TrainerError):
+    """A dataset file is unreadable, tampered with or holds an invalid line."""
+
+
+class ModelDigestError(TrainerError):
+    """The base model on disk does not match the digest pinned in the spec."""
+
+
+class CatalogError(TrainerError):
+    """The base-model catalog cannot add, list or find a model."""
+
+
+class CheckpointError(TrainerError):
+    """A checkpoint cannot be written or does not belong to this job."""

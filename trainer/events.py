@@ -1,0 +1,83 @@
+"""Append-only progress events (``<job_dir>/events.jsonl``).
+
+Each event is one JSON line written with a single ``os.write`` on an
+``O_APPEND`` descriptor, then fsynced, so a reader never sees half a line
+from a crash and concurrent appenders never interleave. Events carry counts
+and metrics only, never dataset text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+EVENT_TYPES = frozenset(
+    {"start", "phase", "metrics", "eval", "checkpoint", "done", "stopped", "failed"}
+)
+PHASES = frozenset({"tokenizing", "training", "evaluating", "saving"})
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class EventLog:
+    """Writer of ``events.jsonl`` for one attempt of one job."""
+
+    def __init__(self, path: str | Path, attempt: int, job_id: str | None = None) -> None:
+        self.path = Path(path)
+        self.attempt = attempt
+        self.job_id = job_id
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+
+    def emit(self, type_: str, **fields: Any) -> dict[str, Any]:
+        """Append one event and fsync it; return the event written.
+
+        Raises:
+            ValueError: unknown event type.
+        """
+        if type_ not in EVENT_TYPES:
+            raise ValueError(f"unknown event type {type_!r}")
+        event: dict[str, Any] = {
+            "ts": datetime.now(UTC).isoformat(timespec="milliseconds"),
+            "unix": round(time.time(), 3),
+            "type": type_,
+            "attempt": self.attempt,
+        }
+        if self.job_id is not None:
+            event["job_id"] = self.job_id
+        event.update({k: _clean(v) for k, v in fields.items()})
+        line = (json.dumps(event, separators=(",", ":"), allow_nan=False) + "\n").encode()
+        os.write(self._fd, line)
+        os.fsync(self._fd)
+        return event
+
+    def phase(self, name: str) -> None:
+        """Record a phase change (tokenizing, training, evaluating, saving)."""
+        if name not in PHASES:
+            raise ValueError(f"unknown phase {name!r}")
+        self.emit("phase", phase=name)
+
+    def close(self) -> None:
+        """Close the descriptor (every event is already durable)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def read_events(path: str | Path) -> list[dict[str, Any]]:
+    """Return the events of a file, skipping a torn last line if any."""
+    events = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events

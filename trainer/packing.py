@@ -1,0 +1,120 @@
+"""Padding-free packing and assistant-only loss targets (pure, torch-free).
+
+A packed row concatenates whole examples; ``position_ids`` restart at 0 for
+each example, which makes transformers build a block-diagonal causal mask
+(with ``attention_mask=None`` and ``use_cache=False``), so packed examples
+never attend to each other. Targets are shifted inside each example, so no
+token is ever trained to predict the first token of the next example.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class Example:
+    """One tokenized conversation; ``loss_mask[i] == 1`` means token i is trained."""
+
+    input_ids: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+    line: int
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One packed row: the model inputs of one optimizer step."""
+
+    input_ids: list[int]
+    position_ids: list[int]
+    targets: list[int]
+
+    @property
+    def n_targets(self) -> int:
+        """Number of tokens that carry loss in this row."""
+        return sum(1 for t in self.targets if t != IGNORE)
+
+
+def targets_for(example: Example) -> list[int]:
+    """Return next-token targets: ``t[i] = ids[i+1]`` where token i+1 is trained, else -100."""
+    ids, mask = example.input_ids, example.loss_mask
+    out = [ids[i + 1] if mask[i + 1] else IGNORE for i in range(len(ids) - 1)]
+    out.append(IGNORE)
+    return out
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """Return the example order of ``epoch``: a shuffle fixed by ``(seed, epoch)``."""
+    order = list(range(n))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order
+
+
+def pack(lengths: list[int], order: list[int], capacity: int) -> list[list[int]]:
+    """Greedily pack examples (taken in ``order``) into rows of at most ``capacity`` tokens.
+
+    Returns rows as lists of example indices. Raises:
+        ValueError: an example is longer than ``capacity``.
+    """
+    rows: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for index in order:
+        length = lengths[index]
+        if length > capacity:
+            raise ValueError(f"example {index} has {length} tokens > row capacity {capacity}")
+        if current and used + length > capacity:
+            rows.append(current)
+            current, used = [], 0
+        current.append(index)
+        used += length
+    if current:
+        rows.append(current)
+    return rows
+
+
+def plan(lengths: list[int], capacity: int, seed: int, epochs: int) -> list[list[list[int]]]:
+    """Return, for each epoch, its packed rows (example indices); deterministic."""
+    return [pack(lengths, epoch_order(len(lengths), seed, e), capacity) for e in range(epochs)]
+
+
+def build_row(examples: list[Example]) -> Row:
+    """Concatenate ``examples`` into one padding-free row with per-example positions."""
+    ids: list[int] = []
+    positions: list[int] = []
+    targets: list[int] = []
+    for example in examples:
+        ids.extend(example.input_ids)
+        positions.extend(range(len(example)))
+        targets.extend(targets_for(example))
+    return Row(ids, positions, targets)
+
+
+def mask_runs(mask: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
+    """Return the ``[start, end)`` spans of consecutive ones in ``mask``."""
+    runs: list[tuple[int, int]] = []
+    start = None
+    for i, bit in enumerate(mask):
+        if bit and start is None:
+            start = i
+        elif not bit and start is not None:
+            runs.append((start, i))
+            start = None
+    if start is not None:
+        runs.append((start, len(mask)))
+    return runs
+
+
+def mask_from_spans(length: int, spans: list[tuple[int, int]], weights: list[int]) -> list[int]:
+    """Return a loss mask of ``length`` with ones on each span whose weight is 1."""
+    mask = [0] * length
+    for (start, end), weight in zip(spans, weights, strict=True):
+        if weight:
+            mask[start:end] = [1] * (end - start)
+    return mask

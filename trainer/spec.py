@@ -1,0 +1,209 @@
+"""The job spec: the one settings object of a trainer process.
+
+The gateway builds a :class:`JobSpec` and writes it as JSON (``spec.json``);
+the trainer reads it with :func:`load_spec`. Pure code: no torch import, so
+the gateway can import this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from trainer.errors import SpecError
+
+SPEC_VERSION = 1
+DEFAULT_CATALOG_ROOT = "/srv/slurm-finetune/models"
+
+_SHA256 = r"^[0-9a-f]{64}$"
+_DIGEST = r"^sha256:[0-9a-f]{64}$"
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BaseModelRef(_Strict):
+    """A base model pinned by catalog name and digest."""
+
+    name: Annotated[str, Field(pattern=_NAME)]
+    digest: Annotated[str, Field(pattern=_DIGEST, description="sha256:<64 hex> from the catalog")]
+    catalog_root: str = DEFAULT_CATALOG_ROOT
+
+
+class DatasetRef(_Strict):
+    """A chat JSONL file and the sha256 the gateway computed at upload."""
+
+    path: Annotated[str, Field(min_length=1)]
+    sha256: Annotated[str, Field(pattern=_SHA256)]
+
+
+class Hyperparameters(_Strict):
+    """Training hyperparameters. One optimizer step = one packed row."""
+
+    epochs: Annotated[int, Field(ge=1, le=100)] = 3
+    learning_rate: Annotated[float, Field(gt=0.0, le=1.0)] = 2e-4
+    batch_size_tokens: Annotated[int, Field(ge=16, le=1_048_576)] = 4096
+    max_seq_len: Annotated[int, Field(ge=8, le=131_072)] = 2048
+    lora_r: Annotated[int, Field(ge=1, le=1024)] = 16
+    lora_alpha: Annotated[float, Field(gt=0.0, le=4096.0)] = 32.0
+    lora_dropout: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.05
+    target_modules: Literal["all-linear"] | Annotated[list[str], Field(min_length=1)] = "all-linear"
+    warmup_steps: Annotated[int, Field(ge=0, le=1_000_000)] = 10
+    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = 0
+    eval_every_steps: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
+    max_steps: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
+    gradient_checkpointing: bool = True
+
+    @field_validator("target_modules")
+    @classmethod
+    def _module_names(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list):
+            for name in value:
+                if not re.fullmatch(r"[A-Za-z0-9_.]{1,100}", name):
+                    raise ValueError(f"invalid module name {name!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _seq_fits_row(self) -> Hyperparameters:
+        if self.max_seq_len > self.batch_size_tokens:
+            raise ValueError(
+                f"max_seq_len ({self.max_seq_len}) must be <= batch_size_tokens "
+                f"({self.batch_size_tokens}): one example must fit in one packed row"
+            )
+        return self
+
+
+class JobSpec(_Strict):
+    """Everything one training job needs; written by the gateway, read by the trainer."""
+
+    version: Literal[1] = SPEC_VERSION
+    job_id: Annotated[str, Field(pattern=_NAME)] | None = None
+    base_model: BaseModelRef
+    train: DatasetRef
+    validation: DatasetRef | None = None
+    validation_split: Annotated[float, Field(gt=0.0, le=0.5)] = 0.1
+    hyperparameters: Hyperparameters = Hyperparameters()
+    job_dir: Annotated[str, Field(min_length=1)]
+    checkpoint_every_steps: Annotated[int, Field(ge=1, le=10_000_000)] = 100
+    keep_checkpoints: Annotated[int, Field(ge=1, le=100)] = 2
+
+
+def _model_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """Return the pydantic model class reached by following ``loc`` from ``model``."""
+    current: type[BaseModel] = model
+    for part in loc:
+        field = current.model_fields.get(str(part))
+        if field is None:
+            return None
+        found = None
+        for arg in _flatten(field.annotation):
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                found = arg
+        if found is None:
+            return None
+        current = found
+    return current
+
+
+def _flatten(annotation: Any) -> list[Any]:
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or origin is types.UnionType or origin is Annotated:
+        return [a for arg in typing.get_args(annotation) for a in _flatten(arg)]
+    return [annotation]
+
+
+def _describe(error: Any) -> str:
+    loc = tuple(error["loc"])
+    field = ".".join(str(p) for p in loc) or "<spec>"
+    if error["type"] == "extra_forbidden":
+        parent = _model_at(JobSpec, loc[:-1])
+        valid = ", ".join(sorted(parent.model_fields)) if parent else "?"
+        return f"{field}: unknown key; valid keys here are: {valid}"
+    if error["type"] == "missing":
+        return f"{field}: required field is missing"
+    message = f"{field}: {error['msg']}"
+    bounds = _range_of(loc)
+    if bounds and error["type"] in _RANGE_ERRORS:
+        message += f" (allowed range: {bounds})"
+    return message
+
+
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+
+
+def _range_of(loc: tuple[int | str, ...]) -> str | None:
+    """Return e.g. ``1 <= epochs <= 100`` for the numeric field at ``loc``."""
+    parent = _model_at(JobSpec, loc[:-1]) if loc else None
+    field = parent.model_fields.get(str(loc[-1])) if parent else None
+    if field is None:
+        return None
+    low = high = ""
+    for meta in _constraints(field.metadata, field.annotation):
+        if getattr(meta, "ge", None) is not None:
+            low = f"{meta.ge} <= "
+        if getattr(meta, "gt", None) is not None:
+            low = f"{meta.gt} < "
+        if getattr(meta, "le", None) is not None:
+            high = f" <= {meta.le}"
+        if getattr(meta, "lt", None) is not None:
+            high = f" < {meta.lt}"
+    return f"{low}{loc[-1]}{high}" if low or high else None
+
+
+def _constraints(metadata: list[Any], annotation: Any) -> list[Any]:
+    """Return the constraint objects (``Ge``, ``Le``...) of a field, Optional included."""
+    found = list(metadata)
+    for item in _flatten(annotation):
+        found.append(item)
+        found.extend(getattr(item, "metadata", []) or [])
+    return found
+
+
+def parse_spec(data: Any) -> JobSpec:
+    """Validate a decoded JSON object and return the :class:`JobSpec`.
+
+    Raises:
+        SpecError: one line per problem, each naming the field (and the valid
+            keys for an unknown key, the range for an out-of-range value).
+    """
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as e:
+        problems = "\n".join(f"  - {_describe(err)}" for err in e.errors())
+        raise SpecError(f"invalid job spec ({e.error_count()} problem(s)):\n{problems}") from e
+
+
+def load_spec(path: str | Path) -> JobSpec:
+    """Read and validate a spec JSON file.
+
+    Raises:
+        SpecError: the file is missing, is not JSON, or fails validation.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise SpecError(f"cannot read spec file {path}: {e.strerror}") from e
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SpecError(f"spec file {path} is not valid JSON (line {e.lineno}): {e.msg}") from e
+    return parse_spec(data)
+
+
+def spec_to_json(spec: JobSpec) -> str:
+    """Return the canonical JSON text of ``spec`` (sorted keys, defaults included)."""
+    return json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+
+def spec_hash(spec: JobSpec) -> str:
+    """Return ``sha256:<hex>`` of the canonical JSON of ``spec``."""
+    return "sha256:" + hashlib.sha256(spec_to_json(spec).encode()).hexdigest()
