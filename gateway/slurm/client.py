@@ -129,11 +129,20 @@ class SlurmClient:
         elif status.active:
             self._run(["scancel", jid]).check()
         escalated = False
+        last_term = time.monotonic()
         while True:
             status = self.states([job_id])[job_id]
             if not status.active:
                 return CancelResult(job_id, time.monotonic() - start, escalated, status.state)
             elapsed = time.monotonic() - start
+            if status.state in ("RUNNING", "CONFIGURING") and not escalated \
+                    and time.monotonic() - last_term >= 1.0:
+                # A job still in its prolog drops signals: repeat TERM (harmless to
+                # the trainer, which only sets a flag) until the deadline.
+                self._run(["scancel", "--signal=TERM", "--full", jid])
+                last_term = time.monotonic()
+            elif status.state == "PENDING":
+                self._run(["scancel", jid])  # requeued meanwhile: nothing to signal
             if not escalated and elapsed >= deadline_s:
                 # KILL to the batch step: its cgroup takes every process with it.
                 # (``--full`` with KILL is a plain cancel in Slurm: KillWait again.)

@@ -24,8 +24,30 @@ class SlurmError(Exception):
     """Base class of every error raised by gateway.slurm."""
 
 
+# Slurm's own words → what the user can do about them.
+_HINTS: tuple[tuple[str, str], ...] = (
+    ("QOSMaxWallDurationPerJobLimit",
+     "the time limit exceeds the QOS tier's MaxWall: ask for less time or a larger tier"),
+    ("QOSMaxGRESPerUser", "the tier's MaxTRESPerUser GPU limit is reached: ask for fewer GPUs"),
+    ("QOSMaxSubmitJobPerUserLimit",
+     "the tier's MaxSubmitJobsPerUser is reached: wait for queued jobs to finish"),
+    ("Job violates accounting/QOS policy",
+     "the job exceeds a limit of its QOS tier (MaxWall, GPUs per user or jobs per user)"),
+    ("Invalid account or account/partition",
+     "the submitting user does not belong to that account: submit under your own tenant"),
+    ("Invalid qos specification", "the tenant's account is not allowed that QOS tier"),
+    ("Invalid --uid specification", "the tenant's unix user does not exist on this host"),
+    ("Unable to contact slurm controller", "slurmctld is not answering: retry later"),
+)
+
+
+def explain(message: str) -> str:
+    """An actionable hint for a known Slurm error message, or ``""``."""
+    return next((hint for key, hint in _HINTS if key in message), "")
+
+
 class SlurmCommandError(SlurmError):
-    """A command failed; ``message`` is the command's own error text."""
+    """A command failed; ``message`` is the command's own error text, ``hint`` what to do."""
 
     def __init__(self, argv: Sequence[str], returncode: int, stderr: str, stdout: str = ""):
         self.argv = list(argv)
@@ -33,7 +55,9 @@ class SlurmCommandError(SlurmError):
         self.stderr = stderr.strip()
         self.stdout = stdout.strip()
         self.message = self.stderr or self.stdout or f"exit status {returncode}"
-        super().__init__(f"{argv[0]} failed (exit {returncode}): {self.message}")
+        self.hint = explain(self.message)
+        text = f"{argv[0]} failed (exit {returncode}): {self.message}"
+        super().__init__(f"{text} ({self.hint})" if self.hint else text)
 
 
 class SlurmTimeoutError(SlurmCommandError):

@@ -104,3 +104,22 @@ def test_cancel_pending_job(fake: FakeSlurm) -> None:
 def test_sshare_records(fake: FakeSlurm) -> None:
     rows = SlurmClient(fake).sshare()
     assert {r.user for r in rows if r.account == "acme"} == {None, "sft-acme"}
+
+
+@pytest.mark.parametrize("name", ["a b", "acme;id", "../etc", "$(id)", "Acme"])
+def test_tenant_add_refuses_bad_name_before_any_command(fake: FakeSlurm, name: str,
+                                                        tmp_path: object) -> None:
+    from pathlib import Path
+
+    from gateway.slurm.admin import Admin
+
+    with pytest.raises(InvalidNameError, match="invalid tenant name"):
+        Admin(fake, storage_root=Path(str(tmp_path))).add_tenant(name, shares=1, qos=["ft-small"])
+    assert fake.calls == []
+
+
+def test_known_slurm_errors_get_a_hint() -> None:
+    err = SlurmCommandError(["sbatch"], 1, "sbatch: error: QOSMaxWallDurationPerJobLimit\n"
+                            "sbatch: error: Batch job submission failed: Job violates "
+                            "accounting/QOS policy")
+    assert "MaxWall" in err.hint and "MaxWall" in str(err)
