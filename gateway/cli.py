@@ -156,6 +156,15 @@ def admin_nodes() -> None:
         click.echo(f"{n.node:<16} {n.state:<12} {since:<26} {n.reason}")
 
 
+@main.command("demo")
+@friendly_errors
+def demo() -> None:
+    """End-to-end walk-through on the dev cluster (root): tenant, model, data, QLoRA job."""
+    from gateway.demo import run_demo
+
+    sys.exit(run_demo(get_settings(), echo=click.echo))
+
+
 def _mount_optional_groups() -> None:
     # The model catalog lives in trainer/ (it runs on compute nodes too); its CLI
     # imports no torch at module level, so mounting it keeps `finetune` light.

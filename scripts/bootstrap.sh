@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One-time (and idempotent) set-up of a Debian 12 host, as root:
+#   - Debian packages: Slurm + munge + MariaDB (dev cluster), python3-venv, sshd (tests)
+#   - the job runtime: a venv made from Debian's /usr/bin/python3 in a world-readable
+#     prefix ($SFT_RUNTIME_PREFIX, default /opt/slurm-finetune) holding this project
+#     and its ML extras. Tenant jobs run from there, never from this checkout.
+# Re-running reinstalls only the project itself unless pyproject.toml changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PREFIX="${SFT_RUNTIME_PREFIX:-/opt/slurm-finetune}"
+VENV="$PREFIX/venv"
+TORCH_SPEC="${SFT_TORCH_SPEC:-torch==2.13.0}"   # the CPU wheel; set a CUDA build on GPU nodes
+APT_PACKAGES=(python3-venv python3-dev slurm-wlm slurmctld slurmd slurmdbd slurm-client munge
+              mariadb-server libpmix-dev openssh-server)
+
+if [ "$(id -u)" != 0 ]; then
+    echo "bootstrap: run as root (it installs Debian packages and writes $PREFIX)" >&2
+    exit 1
+fi
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "bootstrap: installing Debian packages: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q >/dev/null
+    apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+install -d -m 0755 "$PREFIX"
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "bootstrap: creating the job runtime venv at $VENV (from /usr/bin/python3)"
+    /usr/bin/python3 -m venv "$VENV"
+fi
+stamp="$VENV/.slurm-finetune-deps"
+want="$(sha256sum pyproject.toml | cut -c1-64) $TORCH_SPEC"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    echo "bootstrap: installing $TORCH_SPEC and the project's dependencies (a few minutes once)"
+    "$VENV/bin/pip" install -q "$TORCH_SPEC"
+    "$VENV/bin/pip" install -q ".[ml,dev,bench]"
+    echo "$want" > "$stamp"
+fi
+# The project itself, copied (not editable): tenant users cannot read this checkout.
+"$VENV/bin/pip" install -q --no-deps --force-reinstall . 2>&1 | grep -v "^WARNING: Location" || true
+rm -rf build ./*.egg-info
+chmod -R a+rX "$PREFIX"
+echo "bootstrap: runtime ready: $VENV ($("$VENV/bin/python" --version))"
