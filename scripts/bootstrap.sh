@@ -39,7 +39,7 @@ want="$(sha256sum pyproject.toml | cut -c1-64) $TORCH_SPEC"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "bootstrap: installing $TORCH_SPEC and the project's dependencies (a few minutes once)"
     "$VENV/bin/pip" install -q "$TORCH_SPEC"
-    "$VENV/bin/pip" install -q ".[ml,dev,bench]"
+    "$VENV/bin/pip" install -q ".[ml,node,dev,bench]"
     echo "$want" > "$stamp"
 fi
 # The project itself, copied (not editable): tenant users cannot read this checkout.

@@ -194,7 +194,10 @@ class DevCluster:
                   self.cfg.libexec, self.cfg.scratch_root):
             d.mkdir(parents=True, exist_ok=True)
         db_pass = self._db_password()
-        self.write_configs(db_pass)
+        if self.write_configs(db_pass) and any(self._alive(p) for k, p in self._pids().items()
+                                               if k.startswith("slurm")):
+            self.echo("Slurm configuration changed: restarting the Slurm daemons")
+            self._stop([k for k in self._pids() if k.startswith("slurm")])
         self.make_fake_gpus()
         pids = self._pids()
         self.start_munge(pids)
@@ -228,16 +231,22 @@ class DevCluster:
             _write(path, secrets.token_hex(16), 0o600)
         return path.read_text().strip()
 
-    def write_configs(self, db_pass: str) -> None:
+    def write_configs(self, db_pass: str) -> bool:
+        """Write configs and wrappers; return whether a Slurm config file changed."""
         self.cfg.conf_dir.mkdir(parents=True, exist_ok=True)
+        changed = False
         for name, text in render_configs(self.cfg, db_pass).items():
             path = self.cfg.conf_dir / name
-            if path.exists() and not path.read_text().startswith(MARKER):
+            old = path.read_text() if path.exists() else None
+            if old is not None and not old.startswith(MARKER):
                 raise DevClusterError(f"{path} exists and was not written by slurm-finetune: "
                                       "refusing to overwrite a real cluster's configuration")
-            _write(path, text, 0o600 if name == "slurmdbd.conf" else 0o644)
+            if old != text:
+                _write(path, text, 0o600 if name == "slurmdbd.conf" else 0o644)
+                changed = True
         for name, text in render_wrappers(self.cfg).items():
             _write(self.cfg.libexec / name, text, 0o755)
+        return changed
 
     def make_fake_gpus(self) -> None:
         for i in range(self.cfg.nodes * self.cfg.gpus_per_node):
@@ -318,6 +327,10 @@ class DevCluster:
         pids = self._pids()
         order = [k for k in pids if k.startswith("slurmd-")] + \
                 [k for k in ("slurmctld", "slurmdbd", "mariadbd", "munged") if k in pids]
+        return self._stop(order, timeout)
+
+    def _stop(self, order: list[str], timeout: float = 20.0) -> list[str]:
+        pids = self._pids()
         stopped = []
         for key in order:
             pid = pids[key]
@@ -333,7 +346,7 @@ class DevCluster:
                 time.sleep(0.1)
             if self._alive(pids[key]):
                 os.killpg(pids[key], signal.SIGKILL)
-        self._save_pids({})
+        self._save_pids({k: p for k, p in pids.items() if k not in order})
         return stopped
 
     def status(self) -> dict[str, object]:
