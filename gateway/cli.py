@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from gateway.config import get_settings
+from gateway.services import ServiceError
 from gateway.slurm import make_runner
 from gateway.slurm.runner import SlurmError
 
@@ -21,7 +22,7 @@ def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (SlurmError, ValueError, KeyError) as e:
+        except (SlurmError, ServiceError, ValueError, KeyError) as e:
             raise click.ClickException(str(e).strip("'\"")) from e
     return wrapper
 
@@ -100,10 +101,16 @@ def _admin():  # type: ignore[no-untyped-def]
 @friendly_errors
 def tenant_add(name: str, shares: int, qos: str) -> None:
     """Create (or update) tenant NAME: unix user, Slurm account + QOS, storage."""
+    from gateway.db import make_engine, migrate, session_scope
+    from gateway.services.tenants import ensure_tenant
     from gateway.slurm.validate import validate_tenant_name
 
     validate_tenant_name(name)  # before anything runs
     t = _admin().add_tenant(name, shares=shares, qos=[q.strip() for q in qos.split(",")])
+    engine = make_engine(get_settings().database_url)
+    migrate(engine)
+    with session_scope(engine) as session:
+        ensure_tenant(session=session, name=name)
     click.echo(f"tenant {t.name}: unix user {t.unix_user} (uid {t.uid}), shares {t.shares}, "
                f"qos {','.join(t.qos)} (default {t.default_qos}), storage {t.storage}")
 
@@ -121,6 +128,34 @@ def tenant_list(as_json: bool) -> None:
     for t in rows:
         click.echo(f"{t.name:<20} {t.unix_user:<24} {t.shares or '-':>6}  "
                    f"{','.join(t.qos):<28} {'ok' if t.storage_ok else 'MISSING/WRONG'}")
+
+
+@admin.group()
+def token() -> None:
+    """API tokens."""
+
+
+@token.command("create")
+@click.option("--tenant", "tenant_name", help="Tenant the token acts for (member, tenant_admin).")
+@click.option("--role", type=click.Choice(["member", "tenant_admin", "sysadmin", "staff"]),
+              default="member", show_default=True)
+@click.option("--name", default="", help="A label shown in listings.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object holding the token.")
+@friendly_errors
+def token_create(tenant_name: str | None, role: str, name: str, as_json: bool) -> None:
+    """Create an API token. It is printed once and stored only as a hash."""
+    from gateway.db import make_engine, migrate, session_scope
+    from gateway.models import Role
+    from gateway.services.tenants import get_tenant
+    from gateway.services.tokens import create_token
+
+    engine = make_engine(get_settings().database_url)
+    migrate(engine)
+    with session_scope(engine) as session:
+        tenant = get_tenant(session=session, name=tenant_name) if tenant_name else None
+        secret, row = create_token(session=session, role=Role(role), tenant=tenant, name=name)
+    out = {"token": secret, "id": row.id, "role": role, "tenant": tenant_name, "name": name}
+    click.echo(json.dumps(out) if as_json else f"token (shown once): {secret}")
 
 
 @admin.group()
@@ -156,6 +191,20 @@ def admin_nodes() -> None:
         click.echo(f"{n.node:<16} {n.state:<12} {since:<26} {n.reason}")
 
 
+@main.command("serve")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--log-level", default="info", show_default=True)
+@friendly_errors
+def serve(host: str, port: int, log_level: str) -> None:
+    """Serve the HTTP API (settings from SFT_* environment variables)."""
+    import uvicorn
+
+    from gateway.api.app import create_app
+
+    uvicorn.run(create_app(get_settings()), host=host, port=port, log_level=log_level)
+
+
 @main.command("demo")
 @friendly_errors
 def demo() -> None:
@@ -163,6 +212,16 @@ def demo() -> None:
     from gateway.demo import run_demo
 
     sys.exit(run_demo(get_settings(), echo=click.echo))
+
+
+def _mount_user_commands() -> None:
+    from gateway.usercli import files, login
+
+    main.add_command(login)
+    main.add_command(files)
+
+
+_mount_user_commands()
 
 
 def _mount_optional_groups() -> None:

@@ -7,13 +7,25 @@ from pathlib import Path
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+DEFAULT_DB = "sqlite:////var/lib/slurm-finetune/gateway.db"
+
 
 class Settings(BaseSettings):
+    """Every knob of a gateway process; unknown ``SFT_*`` keys are rejected."""
+
     model_config = SettingsConfigDict(env_prefix="SFT_", extra="forbid")
 
     storage_root: Path = Path("/srv/slurm-finetune")
     runtime_prefix: Path = Path("/opt/slurm-finetune")
     parent_account: str = "finetune"
+    database_url: str = DEFAULT_DB
+    # Uploads: the limit is enforced while streaming, before the bytes are all in.
+    max_upload_bytes: int = 256 * 1024 * 1024
+    max_line_bytes: int = 4 * 1024 * 1024
+    min_examples: int = 10
+    max_seq_len: int = 2048
+    default_model: str | None = "tiny-chat"   # tokenizer for upload checks when none is named
+    max_reported_errors: int = 100
     # SSH access to a Slurm login node when the gateway runs off-cluster.
     ssh_host: str | None = None
     ssh_user: str = "root"
@@ -21,10 +33,21 @@ class Settings(BaseSettings):
     ssh_key: Path | None = None
     ssh_known_hosts: Path | None = None
     slurm_timeout_s: float = 60.0
+    # The CLI's connection to a gateway (else from `finetune login`'s credentials file).
+    api_url: str | None = None
+    api_token: str | None = None
+    credentials_file: Path = Path("~/.config/slurm-finetune/credentials.json")
 
     @property
     def runtime_python(self) -> Path:
         return self.runtime_prefix / "venv" / "bin" / "python"
+
+    @property
+    def models_root(self) -> Path:
+        return self.storage_root / "models"
+
+    def tenant_dir(self, tenant: str) -> Path:
+        return self.storage_root / "tenants" / tenant
 
 
 @lru_cache(maxsize=1)

@@ -55,6 +55,8 @@ class DevClusterConfig:
     run_dir: Path = Path("/run/slurm-finetune")
     runtime_prefix: Path = Path("/opt/slurm-finetune")
     scratch_root: Path = Path("/var/lib/slurm-finetune/scratch")
+    report_dir: Path = Path("/var/lib/slurm-finetune/scrub")
+    job_tmp_root: Path = Path("/var/lib/slurm-finetune/jobtmp")  # job_container/tmpfs BasePath
     storage_root: Path = Path("/srv/slurm-finetune")
     db_name: str = "slurm_acct_db"
     db_user: str = "slurm"
@@ -93,11 +95,14 @@ def render_configs(cfg: DevClusterConfig, db_pass: str) -> dict[str, str]:
     gres_lines = "\n".join(
         f"NodeName={n} Name=gpu File=/dev/nvidia[{i * g}-{i * g + g - 1}]"
         for i, n in enumerate(names))
+    job_container_lines = "\n".join(f"NodeName={n} BasePath={cfg.job_tmp_root / n}" for n in names)
     common = {
+        "job_container_lines": job_container_lines,
         "cluster": cfg.cluster, "host": cfg.host, "ctld_port": cfg.ctld_port,
         "dbd_port": cfg.dbd_port, "state_dir": cfg.state_dir, "run_dir": cfg.run_dir,
         "log_dir": cfg.log_dir, "prolog": cfg.libexec / "prolog.sh",
-        "epilog": cfg.libexec / "epilog.sh", "nodes": node_lines,
+        "epilog": cfg.libexec / "epilog.sh", "task_prolog": cfg.libexec / "task_prolog.sh",
+        "nodes": node_lines,
         "node_list": ",".join(names), "gres_lines": gres_lines,
         "db_user": cfg.db_user, "db_pass": db_pass, "db_name": cfg.db_name,
     }
@@ -106,12 +111,15 @@ def render_configs(cfg: DevClusterConfig, db_pass: str) -> dict[str, str]:
         "gres.conf": _template("gres.conf.tmpl").substitute(common),
         "cgroup.conf": _template("cgroup.conf.tmpl").substitute(common),
         "slurmdbd.conf": _template("slurmdbd.conf.tmpl").substitute(common),
+        "job_container.conf": _template("job_container.conf.tmpl").substitute(common),
     }
 
 
 def render_wrappers(cfg: DevClusterConfig) -> dict[str, str]:
-    values = {"scratch_root": cfg.scratch_root, "log_dir": cfg.log_dir}
-    return {n: _template(n).substitute(values) for n in ("prolog.sh", "epilog.sh")}
+    """Wrapper file name → text (pure): prolog/epilog exec the scrubber from the runtime venv."""
+    values = {"scratch_root": cfg.scratch_root, "log_dir": cfg.log_dir,
+              "runtime_prefix": cfg.runtime_prefix, "report_dir": cfg.report_dir}
+    return {n: _template(n).substitute(values) for n in ("prolog.sh", "epilog.sh", "task_prolog.sh")}
 
 
 def _write(path: Path, text: str, mode: int) -> None:

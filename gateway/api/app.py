@@ -1,0 +1,67 @@
+"""The gateway's FastAPI application."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.config import Settings
+from gateway.db import make_engine, migrate
+from gateway.services import ServiceError
+
+log = logging.getLogger("gateway.api")
+
+
+def error_body(message: str, *, type_: str, code: str | None, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def create_app(settings: Settings, *, run_migrations: bool = True) -> FastAPI:
+    """The app, bound to one database (migrated to head unless told not to)."""
+    from gateway.api import files
+
+    app = FastAPI(title="slurm-finetune gateway", version="0.1.0")
+    app.state.settings = settings
+    app.state.engine = make_engine(settings.database_url)
+    if run_migrations:
+        migrate(app.state.engine)
+    app.include_router(files.router)
+
+    @app.exception_handler(ServiceError)
+    async def _service_error(_: Request, e: ServiceError) -> JSONResponse:
+        kind = "invalid_request_error" if e.status < 500 else "server_error"
+        return JSONResponse(error_body(e.message, type_=kind, code=e.code, param=e.param),
+                            status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path"))
+        return JSONResponse(error_body(f"{where or 'request'}: {first.get('msg', 'invalid')}",
+                                       type_="invalid_request_error", code="invalid_request",
+                                       param=where or None), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(e.detail), type_="invalid_request_error",
+                                       code=str(e.status_code)), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> JSONResponse:
+        ref = uuid.uuid4().hex[:12]
+        log.exception("internal error %s", ref)   # the stack trace stays in the server log
+        return JSONResponse(error_body(f"internal error (reference {ref})", type_="server_error",
+                                       code="internal"), status_code=500)
+
+    @app.get("/healthz", include_in_schema=False)
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app

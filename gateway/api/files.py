@@ -1,0 +1,97 @@
+"""/v1/files: OpenAI-compatible dataset files, scoped to the caller's tenant."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
+
+from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep
+from gateway.models import DataFile
+from gateway.services import ServiceError, TooLarge
+from gateway.services import files as svc
+from gateway.tokencount import counter_for
+from gateway.uploads import receive
+from gateway.validation import Validator
+
+router = APIRouter(prefix="/v1/files", tags=["files"])
+FILE_ID = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+def file_object(row: DataFile) -> dict[str, Any]:
+    """OpenAI's file object plus our ``validation`` report."""
+    return {
+        "id": row.id, "object": "file", "bytes": row.bytes,
+        "created_at": int(row.created_at.timestamp()), "expires_at": None,
+        "filename": row.filename, "purpose": row.purpose, "status": row.status,
+        "status_details": row.status_details, "model": row.model, "validation": row.validation,
+    }
+
+
+@router.post("", status_code=200)
+async def create_file(request: Request, session: SessionDep, settings: SettingsDep,
+                      principal: PrincipalDep, model: str | None = Query(None, max_length=100)) -> dict[str, Any]:
+    """Upload a chat JSONL dataset (multipart: ``file``, ``purpose=fine-tune``, optional ``model``)."""
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > settings.max_upload_bytes + 65536:
+        raise TooLarge(f"the upload is {length} bytes; the limit is {settings.max_upload_bytes}")
+    chosen: dict[str, str | None] = {}
+
+    def make_validator(fields: dict[str, str]) -> Validator:
+        chosen["model"] = model or fields.get("model") or settings.default_model
+        return Validator(max_seq_len=settings.max_seq_len, min_examples=settings.min_examples,
+                         max_errors=settings.max_reported_errors, max_line_bytes=settings.max_line_bytes,
+                         counter=counter_for(settings.models_root, chosen["model"]))
+
+    up = await receive(request.stream(), request.headers.get("content-type", ""),
+                       dest_dir=svc.dataset_dir(settings, principal),
+                       limit=settings.max_upload_bytes, make_validator=make_validator)
+    if up.fields.get("purpose") != "fine-tune":
+        up.discard()
+        raise ServiceError("purpose must be 'fine-tune'", param="purpose")
+    assert up.tmp_path is not None and up.report is not None and up.filename is not None
+    row = svc.store_upload(session=session, settings=settings, principal=principal,
+                           filename=up.filename, tmp_path=up.tmp_path, sha256=up.sha256,
+                           size=up.size, report=up.report, model=chosen.get("model"))
+    return file_object(row)
+
+
+@router.get("")
+def list_files(session: SessionDep, principal: PrincipalDep, purpose: str | None = None,
+               after: str | None = Query(None, pattern=FILE_ID),
+               limit: int = Query(10000, ge=1, le=10000),
+               order: Literal["asc", "desc"] = "desc") -> dict[str, Any]:
+    rows, more = svc.list_files(session=session, principal=principal, purpose=purpose,
+                                after=after, limit=limit, order=order)
+    return {"object": "list", "data": [file_object(r) for r in rows], "has_more": more,
+            "first_id": rows[0].id if rows else None, "last_id": rows[-1].id if rows else None}
+
+
+@router.get("/{file_id}")
+def retrieve_file(file_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
+    return file_object(svc.get_file(session=session, principal=principal, file_id=file_id))
+
+
+@router.get("/{file_id}/content")
+def file_content(file_id: str, session: SessionDep, settings: SettingsDep,
+                 principal: PrincipalDep) -> StreamingResponse:
+    row = svc.get_file(session=session, principal=principal, file_id=file_id)
+    assert principal.tenant_name is not None
+    path = svc.file_path(settings, principal.tenant_name, row)
+
+    def chunks() -> Iterator[bytes]:
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                yield block
+
+    return StreamingResponse(chunks(), media_type="application/jsonl",
+                             headers={"content-length": str(row.bytes)})
+
+
+@router.delete("/{file_id}")
+def delete_file(file_id: str, session: SessionDep, settings: SettingsDep,
+                principal: PrincipalDep) -> dict[str, Any]:
+    svc.delete_file(session=session, settings=settings, principal=principal, file_id=file_id)
+    return {"id": file_id, "object": "file", "deleted": True}
