@@ -6,6 +6,7 @@ import json
 import sys
 from collections.abc import Callable
 from functools import wraps
+from pathlib import Path
 from typing import Any
 
 import click
@@ -115,6 +116,34 @@ def tenant_add(name: str, shares: int, qos: str) -> None:
                f"qos {','.join(t.qos)} (default {t.default_qos}), storage {t.storage}")
 
 
+@tenant.command("modify")
+@click.argument("name")
+@click.option("--shares", type=click.IntRange(1, 1_000_000), help="New Fairshare shares.")
+@click.option("--qos", "qos", help="New comma-separated QOS tiers; the first is the default.")
+@click.option("--gpu-limit", help="GPUs the whole tenant may hold at once (GrpTRES=gres/gpu=N); 'none' removes it.")
+@friendly_errors
+def tenant_modify(name: str, shares: int | None, qos: str | None, gpu_limit: str | None) -> None:
+    """Change tenant NAME's shares, QOS tiers or GPU limit (only what is given)."""
+    from gateway.slurm.validate import validate_tenant_name
+
+    validate_tenant_name(name)
+    limit: int | None = None
+    if gpu_limit is not None:
+        if gpu_limit.strip().lower() == "none":
+            limit = -1
+        elif gpu_limit.strip().isdigit():
+            limit = int(gpu_limit)
+        else:
+            raise click.BadParameter(f"{gpu_limit!r}: give a number of GPUs (0 or more) or 'none'",
+                                     param_hint="--gpu-limit")
+    adm = _admin()
+    t = adm.modify_tenant(name, shares=shares, qos=[q.strip() for q in qos.split(",")] if qos else None,
+                          gpu_limit=limit)
+    gpus = adm.tenant_gpu_limit(name)
+    click.echo(f"tenant {t.name}: shares {t.shares}, qos {','.join(t.qos)} (default {t.default_qos}), "
+               f"gpu limit {'none' if gpus is None else gpus}")
+
+
 @tenant.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @friendly_errors
@@ -165,30 +194,61 @@ def qos() -> None:
 
 @qos.command("apply")
 @click.argument("policy", required=False, type=click.Path(exists=True, dir_okay=False))
+@click.option("--dry-run", is_flag=True, help="Print the difference; change nothing.")
 @friendly_errors
-def qos_apply(policy: str | None) -> None:
-    """Create or update the QOS tiers of POLICY (default: the shipped policy)."""
+def qos_apply(policy: str | None, dry_run: bool) -> None:
+    """Make the cluster's QOS tiers match POLICY (default: the shipped policy), changing only what differs."""
     from pathlib import Path
 
-    from gateway.slurm.policy import load_policy
+    from gateway.slurm.policy import load_policy, unmanaged_qos
 
     tiers = load_policy(Path(policy) if policy else None)
-    created = _admin().apply_qos(tiers)
-    click.echo(f"applied {len(tiers)} tiers; created: {', '.join(created) or 'none'}")
+    adm = _admin()
+    cluster = adm.show_qos()
+    from gateway.slurm.policy import diff_qos
+
+    changes = diff_qos(tiers, cluster)
+    for c in changes:
+        click.echo(("would " if dry_run else "") + c.describe())
+    if not dry_run:
+        adm.apply_qos_changes(changes)
+    left = unmanaged_qos(tiers, cluster)
+    click.echo(f"{len(tiers)} tiers in policy; {len(changes)} {'to change' if dry_run else 'changed'}"
+               + (f"; not in policy, left alone: {', '.join(left)}" if left else ""))
 
 
 @admin.command("nodes")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@click.option("--last", type=click.IntRange(1, 100), default=2, show_default=True,
+              help="Scrub reports to show per node.")
+@click.option("--report-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where the scrubber writes its reports (default /var/lib/slurm-finetune/scrub).")
 @friendly_errors
-def admin_nodes() -> None:
-    """Drained or down nodes with Slurm's reason."""
+def admin_nodes(as_json: bool, last: int, report_dir: Path | None) -> None:
+    """Drained or down nodes with Slurm's reason, and the last scrub results per node."""
+    from gateway.scrub import DEFAULT_REPORT_DIR, latest_reports
     from gateway.slurm.client import SlurmClient
 
     nodes = SlurmClient(make_runner()).drained_nodes()
+    scrubs = latest_reports(report_dir or DEFAULT_REPORT_DIR, per_node=last)
+    if as_json:
+        click.echo(json.dumps({
+            "drained": [{**n.__dict__, "since": n.since.isoformat() if n.since else None} for n in nodes],
+            "scrub": {node: [{"kind": r.kind, "job_id": r.job_id, "outcome": r.outcome,
+                              "failed_steps": list(r.failed_steps), "started": r.started.isoformat(),
+                              "seconds": r.seconds, "summary": r.summary(), "report": str(r.path)}
+                             for r in reports] for node, reports in scrubs.items()},
+        }, indent=2))
+        return
     if not nodes:
         click.echo("no drained or down nodes")
     for n in nodes:
         since = n.since.isoformat() if n.since else "-"
         click.echo(f"{n.node:<16} {n.state:<12} {since:<26} {n.reason}")
+    for node, reports in scrubs.items():
+        click.echo(f"last scrubs on {node}:")
+        for r in reports:
+            click.echo(f"  {r.started.isoformat(timespec='seconds')}  {r.summary()}")
 
 
 @main.command("serve")
@@ -232,6 +292,7 @@ def _mount_optional_groups() -> None:
     except ImportError:
         return
     main.add_command(models, "models")
+    from accounting.cli import register; register(admin)
 
 
 _mount_optional_groups()

@@ -19,6 +19,7 @@ class Settings(BaseSettings):
     runtime_prefix: Path = Path("/opt/slurm-finetune")
     parent_account: str = "finetune"
     database_url: str = DEFAULT_DB
+    catalog_root: Path | None = None          # base-model catalog; default <storage_root>/models
     # Uploads: the limit is enforced while streaming, before the bytes are all in.
     max_upload_bytes: int = 256 * 1024 * 1024
     max_line_bytes: int = 4 * 1024 * 1024
@@ -44,7 +45,7 @@ class Settings(BaseSettings):
 
     @property
     def models_root(self) -> Path:
-        return self.storage_root / "models"
+        return self.catalog_root or self.storage_root / "models"
 
     def tenant_dir(self, tenant: str) -> Path:
         return self.storage_root / "tenants" / tenant

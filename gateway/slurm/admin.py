@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.slurm.policy import QosTier
+from gateway.slurm.policy import QOS_SHOW_FORMAT, QosChange, QosRow, QosTier, diff_qos, parse_qos_show
+from gateway.slurm.records import gpu_count
 from gateway.slurm.runner import CommandResult, Runner, SlurmCommandError
 from gateway.slurm.validate import validate_qos_name, validate_tenant_name
 
@@ -61,18 +62,32 @@ class Admin:
     def existing_qos(self) -> set[str]:
         return {row[0] for row in self._show("qos", "format=Name")}
 
-    def apply_qos(self, tiers: dict[str, QosTier]) -> list[str]:
-        """Create or update every tier; return the names that were created."""
-        have = self.existing_qos()
-        created = []
-        for tier in tiers.values():
-            if tier.name in have:
-                self._sacctmgr("modify", "qos", "where", f"name={tier.name}", "set",
-                               *tier.sacctmgr_settings())
+    def show_qos(self) -> list[QosRow]:
+        """Every QOS on the cluster, typed, with the fields the policy manages."""
+        out = self.runner.run(["sacctmgr", "--noheader", "--parsable2", "show", "qos",
+                               "format=" + QOS_SHOW_FORMAT], timeout=60).check().stdout
+        return parse_qos_show(out)
+
+    def plan_qos(self, tiers: dict[str, QosTier]) -> list[QosChange]:
+        """What ``apply_qos`` would change (a dry run): [] when the cluster matches."""
+        return diff_qos(tiers, self.show_qos())
+
+    def apply_qos_changes(self, changes: list[QosChange]) -> None:
+        """Send exactly these changes to sacctmgr (only the differing fields of a modify)."""
+        for c in changes:
+            if c.action == "add":
+                self._sacctmgr("add", "qos", c.name, *c.settings)
             else:
-                self._sacctmgr("add", "qos", tier.name, *tier.sacctmgr_settings())
-                created.append(tier.name)
-        return created
+                self._sacctmgr("modify", "qos", "where", f"name={c.name}", "set", *c.settings)
+
+    def apply_qos(self, tiers: dict[str, QosTier]) -> list[str]:
+        """Make the cluster's QOS match ``tiers``, changing only what differs.
+
+        Returns the names that were created.
+        """
+        changes = self.plan_qos(tiers)
+        self.apply_qos_changes(changes)
+        return [c.name for c in changes if c.action == "add"]
 
     # ------------------------------------------------------------- tenants
     def ensure_parent_account(self) -> None:
@@ -165,3 +180,48 @@ class Admin:
             qos=tuple(q for q in qos.split(",") if q), default_qos=default_qos or None,
             storage=storage, storage_ok=storage_ok,
         )
+
+    # ------------------------------------------------------- tenant limits
+    def modify_tenant(self, name: str, *, shares: int | None = None,
+                      qos: Sequence[str] | None = None, gpu_limit: int | None = None) -> Tenant:
+        """Change a tenant's Fairshare shares, allowed QOS (the first is the default) or
+        GPU limit (``GrpTRES=gres/gpu=N`` on its account; ``-1`` removes the limit).
+
+        Only the given settings change. Raises KeyError for an unknown tenant,
+        ValueError for an out-of-range value, SlurmCommandError for an unknown QOS.
+        """
+        validate_tenant_name(name)
+        settings: list[str] = []
+        if shares is not None:
+            if isinstance(shares, bool) or not 1 <= shares <= 1_000_000:
+                raise ValueError(f"shares must be an integer in 1..1000000, got {shares!r}")
+            settings.append(f"Fairshare={shares}")
+        if qos is not None:
+            qos = [validate_qos_name(q) for q in qos]
+            if not qos:
+                raise ValueError("at least one QOS tier is required")
+            missing = set(qos) - self.existing_qos()
+            if missing:
+                raise SlurmCommandError(["sacctmgr"], 1, f"unknown QOS {sorted(missing)}: "
+                                        "apply the QOS policy first (finetune admin qos apply)")
+            settings += ["QOS=" + ",".join(qos), f"DefaultQOS={qos[0]}"]
+        if gpu_limit is not None:
+            if isinstance(gpu_limit, bool) or gpu_limit < -1:
+                raise ValueError(f"gpu limit must be >= 0 (or -1 to remove it), got {gpu_limit!r}")
+            settings.append(f"GrpTRES=gres/gpu={gpu_limit}")
+        if not settings:
+            raise ValueError("nothing to modify: give --shares, --qos or --gpu-limit")
+        self.get_tenant(name)  # KeyError before any change
+        # The user association inherits QOS and shares from the account (seen on 22.05),
+        # so setting them on the account alone keeps that inheritance intact.
+        self._sacctmgr("modify", "account", "where", f"name={name}", "set", *settings)
+        return self.get_tenant(name)
+
+    def tenant_gpu_limit(self, name: str) -> int | None:
+        """The tenant account's GrpTRES GPU limit; None when it has none."""
+        rows = self._show("association", "where", f"account={validate_tenant_name(name)}",
+                          "format=User,GrpTRES")
+        for row in rows:
+            if len(row) == 2 and row[0] == "" and "gres/gpu" in row[1]:
+                return gpu_count(row[1])
+        return None

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from gateway.slurm.records import gpu_count
 from gateway.slurm.runner import SlurmError
 from gateway.slurm.validate import validate_qos_name
 
@@ -96,3 +97,128 @@ def load_policy(path: Path | None = None) -> dict[str, QosTier]:
         text = resources.files("slurm_templates").joinpath("qos_policy.toml").read_text()
         return parse_policy(text, "slurm_templates/qos_policy.toml")
     return parse_policy(path.read_text(), str(path))
+
+
+# ------------------------------------------------------------------ QOS diff
+# What ``sacctmgr show qos`` prints for the fields the policy manages, in this order.
+QOS_SHOW_FORMAT = "Name,Priority,MaxTRESPerUser,MaxWall,MaxJobsPerUser,MaxSubmitJobsPerUser,Flags,Description"
+
+
+@dataclass(frozen=True)
+class QosRow:
+    """One QOS as the cluster has it (``sacctmgr --parsable2 show qos``)."""
+
+    name: str
+    priority: int | None
+    max_tres_per_user: str
+    max_wall_min: int | None
+    max_jobs_per_user: int | None
+    max_submit_jobs_per_user: int | None
+    flags: frozenset[str]
+    description: str
+
+    @property
+    def max_gpus_per_user(self) -> int | None:
+        return gpu_count(self.max_tres_per_user) if "gres/gpu" in self.max_tres_per_user else None
+
+
+def _opt_int(v: str) -> int | None:
+    return int(v) if v.strip() else None
+
+
+def parse_slurm_duration(v: str) -> int | None:
+    """sacctmgr's MaxWall (``1-00:00:00``, ``04:00:00``, ``30:00``) → minutes; "" → None."""
+    v = v.strip()
+    if not v:
+        return None
+    days, _, rest = v.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    while len(parts) < 3:
+        parts.insert(0, 0)
+    h, m, s = parts
+    return int(days or 0) * 1440 + h * 60 + m + (1 if s else 0)
+
+
+def parse_qos_show(text: str) -> list[QosRow]:
+    """Rows of ``sacctmgr --noheader --parsable2 show qos format=<QOS_SHOW_FORMAT>``.
+
+    Description is last: it is the one free-text field, so a ``|`` inside it is kept.
+    Raises PolicyError on a line with too few fields.
+    """
+    rows = []
+    n = QOS_SHOW_FORMAT.count(",") + 1
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        f = line.split("|", n - 1)
+        if len(f) != n:
+            raise PolicyError(f"sacctmgr show qos line {lineno}: expected {n} fields: {line!r}")
+        try:
+            rows.append(QosRow(
+                name=f[0], priority=_opt_int(f[1]), max_tres_per_user=f[2],
+                max_wall_min=parse_slurm_duration(f[3]), max_jobs_per_user=_opt_int(f[4]),
+                max_submit_jobs_per_user=_opt_int(f[5]),
+                flags=frozenset(x for x in f[6].split(",") if x), description=f[7],
+            ))
+        except ValueError as e:
+            raise PolicyError(f"sacctmgr show qos line {lineno}: {e}: {line!r}") from e
+    return rows
+
+
+@dataclass(frozen=True)
+class QosChange:
+    """What ``apply`` would do to one tier: ``add`` it, or ``modify`` only the fields that differ."""
+
+    name: str
+    action: str                                   # "add" | "modify"
+    fields: tuple[tuple[str, str, str], ...]      # (sacctmgr field, cluster has, policy wants)
+    settings: tuple[str, ...]                     # the ``key=value`` arguments to send
+
+    def describe(self) -> str:
+        if self.action == "add":
+            return f"{self.name}: add ({' '.join(self.settings)})"
+        return f"{self.name}: modify " + "; ".join(f"{k} {h or '(unset)'} -> {w}" for k, h, w in self.fields)
+
+
+def _wanted(tier: QosTier) -> dict[str, str]:
+    return dict(s.split("=", 1) for s in tier.sacctmgr_settings())
+
+
+def _have(row: QosRow) -> dict[str, str]:
+    gpus = row.max_gpus_per_user
+    return {
+        "Description": row.description, "Priority": "" if row.priority is None else str(row.priority),
+        "MaxTRESPerUser": "" if gpus is None else f"gres/gpu={gpus}",
+        "MaxWall": "" if row.max_wall_min is None else str(row.max_wall_min),
+        "MaxJobsPerUser": "" if row.max_jobs_per_user is None else str(row.max_jobs_per_user),
+        "MaxSubmitJobsPerUser": "" if row.max_submit_jobs_per_user is None
+        else str(row.max_submit_jobs_per_user),
+        "Flags": ",".join(sorted(row.flags)) or "-1",
+    }
+
+
+def diff_qos(tiers: dict[str, QosTier], cluster: list[QosRow]) -> list[QosChange]:
+    """The changes that make ``cluster`` match ``tiers``; [] when it already does.
+
+    Only managed fields are compared (sacctmgr lowercases descriptions, so they
+    compare case-insensitively); QOS the policy does not name are left alone.
+    """
+    have = {r.name: r for r in cluster}
+    changes = []
+    for tier in tiers.values():
+        want = _wanted(tier)
+        if tier.name not in have:
+            changes.append(QosChange(tier.name, "add", (), tuple(tier.sacctmgr_settings())))
+            continue
+        got = _have(have[tier.name])
+        diff = tuple((k, got[k], v) for k, v in want.items()
+                     if (got[k].casefold() if k == "Description" else got[k])
+                     != (v.casefold() if k == "Description" else v))
+        if diff:
+            changes.append(QosChange(tier.name, "modify", diff, tuple(f"{k}={w}" for k, _, w in diff)))
+    return changes
+
+
+def unmanaged_qos(tiers: dict[str, QosTier], cluster: list[QosRow]) -> list[str]:
+    """QOS on the cluster that the policy does not name (never touched by apply)."""
+    return sorted(r.name for r in cluster if r.name not in tiers)

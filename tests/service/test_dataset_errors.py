@@ -1,0 +1,59 @@
+"""Each error class, in its own dataset file, through the real API with a real tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.config import Settings
+from tests.service.conftest import TENANT_A, Gateway
+
+pytestmark = pytest.mark.service
+DATASETS = Path(__file__).parent.parent / "data" / "datasets"
+EXPECTED: dict[str, dict[str, Any]] = json.loads((DATASETS / "expected.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def tiny_catalog(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from trainer import catalog
+
+    root = tmp_path_factory.mktemp("models")
+    catalog.add(catalog.make_tiny(tmp_path_factory.mktemp("tiny") / "m"), "tiny-chat", root)
+    return root
+
+
+@pytest.fixture
+def gw_tok(settings: Settings, tiny_catalog: Path) -> Gateway:
+    return Gateway(settings.model_copy(update={"default_model": "tiny-chat", "max_seq_len": 256,
+                                               "catalog_root": tiny_catalog}))
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_error_class_line_and_nothing_usable(gw_tok: Gateway, name: str) -> None:
+    want = EXPECTED[name]
+    obj = gw_tok.upload(TENANT_A, (DATASETS / name).read_bytes(), filename=name).json()
+    assert obj["status"] == "error", obj
+    v = obj["validation"]
+    assert v["error_counts"] == {want["kind"]: 1}, v["errors"]
+    assert v["errors"][0]["line"] == want["line"]
+    assert v["stats"]["tokenizer"] == "tiny-chat"
+    listed = gw_tok.client.get("/v1/files", headers=gw_tok.auth(TENANT_A)).json()["data"]
+    assert [o["status"] for o in listed] == ["error"], "an invalid upload is never 'processed'"
+
+
+def test_token_statistics_from_the_models_tokenizer(gw_tok: Gateway) -> None:
+    obj = gw_tok.upload(TENANT_A, (DATASETS / "warnings_only.jsonl").read_bytes()).json()
+    assert obj["status"] == "processed" and obj["model"] == "tiny-chat"
+    tok = obj["validation"]["stats"]["tokens"]
+    assert 0 < tok["p50"] <= tok["p95"] <= tok["max"] and tok["assistant"] > 0
+    assert obj["validation"]["warning_counts"] == {"duplicate_example": 1, "very_short_example": 1}
+
+
+def test_unknown_model_means_tokens_unchecked(gw_tok: Gateway) -> None:
+    r = gw_tok.client.post("/v1/files?model=no-such-model", headers=gw_tok.auth(TENANT_A),
+                           data={"purpose": "fine-tune"},
+                           files={"file": ("t.jsonl", (DATASETS / "warnings_only.jsonl").read_bytes())})
+    assert "tokens_not_checked" in r.json()["validation"]["warning_counts"]
