@@ -292,7 +292,17 @@ def _mount_optional_groups() -> None:
     except ImportError:
         return
     main.add_command(models, "models")
-    from accounting.cli import register; register(admin)
+
+
+def _mount_accounting() -> None:
+    try:
+        from accounting.cli import register
+    except ImportError:
+        return
+    register(admin)
+
+
+_mount_accounting()
 
 
 _mount_optional_groups()

@@ -152,7 +152,8 @@ def test_hostile_content_is_reported_by_line(gw: Gateway, label: str, line: byte
 
 @pytest.mark.parametrize(("filename", "shown"), [
     ("../../../etc/passwd", "passwd"), ("..\\..\\boot.ini", "boot.ini"),
-    ("r\u00e9sum\u00e9 \u2603.jsonl", "r\u00e9sum\u00e9 \u2603.jsonl"), ("a\nb\r.jsonl", "a%0Ab%0D.jsonl"),  # the client percent-encodes CR/LF
+    ("r\u00e9sum\u00e9 \u2603.jsonl", "r\u00e9sum\u00e9 \u2603.jsonl"),
+    ("a\nb\r.jsonl", "a%0Ab%0D.jsonl"),  # the client percent-encodes CR/LF
 ])
 def test_filenames_are_display_names_only(gw: Gateway, filename: str, shown: str) -> None:
     obj = gw.upload(TENANT_A, chat_lines(10, start=len(filename)), filename=filename).json()
