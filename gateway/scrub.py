@@ -57,7 +57,7 @@ class ScrubReport:
         if not self.ok:
             why = "; ".join(f"{s.name}: {s.message}" for s in self.steps if s.status == "fail")
             return f"{self.kind} job {self.job_id} FAILED ({why})"
-        skipped = [s.name for s in self.steps if s.status == "skipped"]
+        skipped = [f"{s.name} ({s.message})" for s in self.steps if s.status == "skipped"]
         return (f"{self.kind} job {self.job_id} ok in {self.seconds:.2f}s: {self.files_removed} files, "
                 f"{self.bytes_removed} bytes removed, {self.processes_killed} processes killed, "
                 f"{self.gpu_bytes_wiped} GPU bytes wiped"

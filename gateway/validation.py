@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
+
+import msgspec
 
 
 class Kind(StrEnum):
@@ -56,6 +57,10 @@ ROLES = ("system", "user", "assistant")
 DEFAULT_EPOCHS = 3
 SHORT_CHARS = 8          # an example whose messages hold fewer characters is "very short"
 TOKEN_BATCH = 256
+# Token statistics: every example up to EXACT_FIRST, then one in SAMPLE_EVERY (weighted).
+# The maximum-length rule is enforced on every example regardless (see Validator._tokens_for).
+EXACT_FIRST = 1000
+SAMPLE_EVERY = 32
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,53 @@ class TokenCounter(Protocol):
     def count(self, conversations: Sequence[list[dict[str, Any]]]) -> list[tuple[int, int]]:
         """(total tokens, assistant tokens) per conversation."""
         ...
+
+    def bound(self, messages: list[dict[str, Any]]) -> int | None:
+        """A cheap proven upper bound on the example's tokens, or None if there is none."""
+        ...
+
+
+class _FastMessage(msgspec.Struct, forbid_unknown_fields=True):
+    role: Literal["system", "user", "assistant"]
+    content: str
+    weight: int | msgspec.UnsetType = msgspec.UNSET
+    name: str | msgspec.UnsetType = msgspec.UNSET
+
+
+class _FastExample(msgspec.Struct, forbid_unknown_fields=True):
+    messages: list[_FastMessage]
+
+
+_FAST = msgspec.json.Decoder(_FastExample)
+
+
+def _fast_messages(raw: bytes) -> list[dict[str, Any]] | None:
+    """The messages of a well-formed line decoded in C, or None (then the detailed,
+    slower path finds and names the problem)."""
+    try:
+        ex = _FAST.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    msgs = ex.messages
+    if not msgs:
+        return None
+    expected = "user"
+    learn = False
+    for i, m in enumerate(msgs):
+        if m.weight is not msgspec.UNSET and (m.role != "assistant" or m.weight not in (0, 1)):
+            return None
+        if m.role == "system" and i == 0:
+            continue
+        if m.role != expected:
+            return None
+        if expected == "assistant":
+            learn = learn or m.weight is msgspec.UNSET or m.weight == 1
+            expected = "user"
+        else:
+            expected = "assistant"
+    if not learn:
+        return None
+    return [{"role": m.role, "content": m.content} for m in msgs]
 
 
 class LineError(Exception):
@@ -132,11 +184,17 @@ def check_example(obj: Any) -> list[dict[str, Any]]:
     return messages
 
 
-def _percentile(sorted_values: list[int], q: float) -> int:
-    if not sorted_values:
+def _weighted_percentile(pairs: list[tuple[int, int]], q: float) -> int:
+    """Percentile of (value, weight) pairs sorted by value."""
+    if not pairs:
         return 0
-    k = max(0, min(len(sorted_values) - 1, math.ceil(q * len(sorted_values)) - 1))
-    return sorted_values[k]
+    target = q * sum(w for _, w in pairs)
+    acc = 0
+    for value, w in pairs:
+        acc += w
+        if acc >= target:
+            return value
+    return pairs[-1][0]
 
 
 @dataclass
@@ -154,9 +212,10 @@ class Validator:
     warning_counts: Counter[str] = field(default_factory=Counter)
     examples: int = 0
     lines: int = 0
+    exact_checks: int = 0
     _seen: dict[bytes, int] = field(default_factory=dict)
-    _pending: list[tuple[int, list[dict[str, Any]]]] = field(default_factory=list)
-    _tokens: list[int] = field(default_factory=list)
+    _pending: list[tuple[int, list[dict[str, Any]], int, bool]] = field(default_factory=list)
+    _sample: list[tuple[int, int]] = field(default_factory=list)   # (tokens, weight)
     _assistant_tokens: int = 0
 
     def _error(self, line: int | None, kind: str, message: str) -> None:
@@ -179,26 +238,38 @@ class Validator:
                         f"line is {size} bytes; the limit is {self.max_line_bytes}")
             return
         raw = raw.rstrip(b"\r\n")
-        if not raw.strip():
+        if not raw or raw.isspace():
             return  # blank lines are ignored
+        messages = _fast_messages(raw)
+        if messages is None:
+            messages = self._detailed(lineno, raw)
+            if messages is None:
+                return
+        self._accept(lineno, raw, messages)
+
+    def _detailed(self, lineno: int, raw: bytes) -> list[dict[str, Any]] | None:
+        """The slow path: find and record the line's first problem (None), or its messages."""
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
             self._error(lineno, Kind.NOT_UTF8, f"invalid UTF-8 at byte {e.start + 1} of the line")
-            return
+            return None
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
             self._error(lineno, Kind.NOT_JSON, f"not valid JSON: {e.msg} at column {e.colno}")
-            return
+            return None
         except RecursionError:
             self._error(lineno, Kind.NOT_JSON, "not valid JSON: nested too deeply")
-            return
+            return None
         try:
-            messages = check_example(obj)
+            return check_example(obj)
         except LineError as e:
             self._error(lineno, e.kind, e.message)
-            return
+            return None
+
+    def _accept(self, lineno: int, raw: bytes, messages: list[dict[str, Any]]) -> None:
+        index = self.examples
         self.examples += 1
         digest = hashlib.blake2b(raw, digest_size=16).digest()
         first = self._seen.setdefault(digest, lineno)
@@ -207,21 +278,38 @@ class Validator:
         if sum(len(m["content"]) for m in messages) < SHORT_CHARS:
             self._warn(lineno, Warn.VERY_SHORT,
                        f"very short example (under {SHORT_CHARS} characters of content)")
-        if self.counter is not None:
-            self._pending.append((lineno, messages))
+        if self.counter is None:
+            return
+        weight = 1 if index < EXACT_FIRST else (SAMPLE_EVERY if index % SAMPLE_EVERY == 0 else 0)
+        bound = self.counter.bound(messages) if weight == 0 else None
+        if weight or bound is None or bound > self.max_seq_len:
+            # counted exactly: sampled for statistics, or possibly over the length limit
+            self._pending.append((lineno, messages, weight, True))
             if len(self._pending) >= TOKEN_BATCH:
                 self._count_tokens()
 
     def _count_tokens(self) -> None:
         assert self.counter is not None
-        counts = self.counter.count([m for _, m in self._pending])
-        for (lineno, _), (total, assistant) in zip(self._pending, counts, strict=True):
-            self._tokens.append(total)
-            self._assistant_tokens += assistant
+        counts = self.counter.count([m for _, m, _, _ in self._pending])
+        self.exact_checks += len(counts)
+        for (lineno, _, weight, _), (total, assistant) in zip(self._pending, counts, strict=True):
+            if weight:
+                self._sample.append((total, weight))
+                self._assistant_tokens += assistant * weight
             if total > self.max_seq_len:
                 self._error(lineno, Kind.TOO_LONG, f"example is {total} tokens; the maximum "
                             f"sequence length is {self.max_seq_len}")
         self._pending.clear()
+
+    def _token_stats(self) -> dict[str, Any] | None:
+        if self.counter is None:
+            return None
+        pairs = sorted(self._sample)
+        exact = self.examples <= EXACT_FIRST
+        return {"total": sum(t * w for t, w in pairs), "p50": _weighted_percentile(pairs, 0.5),
+                "p95": _weighted_percentile(pairs, 0.95), "max": pairs[-1][0] if pairs else 0,
+                "assistant": self._assistant_tokens, "exact": exact,
+                "sampled_examples": len(pairs)}
 
     def finish(self, *, total_bytes: int, over_limit: int | None = None) -> dict[str, Any]:
         """Close the stream; return the report (``over_limit``: the byte limit that was hit)."""
@@ -239,15 +327,12 @@ class Validator:
             self._warn(None, Warn.TOKENS_NOT_CHECKED,
                        "token counts and the maximum sequence length were not checked: "
                        "no base model tokenizer available")
-        tokens = sorted(self._tokens)
-        total_tokens = sum(tokens)
+        tokens = self._token_stats()
         stats: dict[str, Any] = {
             "lines": self.lines, "bytes": total_bytes, "examples": self.examples,
             "tokenizer": self.counter.name if self.counter else None,
-            "tokens": {"total": total_tokens, "p50": _percentile(tokens, 0.5),
-                       "p95": _percentile(tokens, 0.95), "max": tokens[-1] if tokens else 0,
-                       "assistant": self._assistant_tokens} if self.counter else None,
-            "estimated_training_tokens": (total_tokens * DEFAULT_EPOCHS) if self.counter else None,
+            "tokens": tokens,
+            "estimated_training_tokens": tokens["total"] * DEFAULT_EPOCHS if tokens else None,
             "estimated_epochs": DEFAULT_EPOCHS,
         }
         return {
@@ -270,36 +355,39 @@ class LineSplitter:
 
     def __init__(self, validator: Validator):
         self.v = validator
-        self.buf = bytearray()
-        self.buf_len = 0          # true length of the current line (may exceed buf)
+        self.rest = b""           # the start of the current, unfinished line (capped)
+        self.rest_len = 0         # its true length
         self.lineno = 0
         self.total = 0
 
     def feed(self, chunk: bytes) -> None:
         self.total += len(chunk)
-        limit = self.v.max_line_bytes
-        start = 0
-        while True:
-            nl = chunk.find(b"\n", start)
-            piece = chunk[start:] if nl < 0 else chunk[start:nl + 1]
-            room = limit + 1 - len(self.buf)
-            if room > 0:
-                self.buf += piece[:room]
-            self.buf_len += len(piece)
-            if nl < 0:
-                return
-            self._emit()
-            start = nl + 1
+        parts = chunk.split(b"\n")
+        if len(parts) == 1:
+            self._extend(chunk)
+            return
+        self._extend(parts[0])
+        self._emit(self.rest, self.rest_len)
+        feed, limit = self.v.feed, self.v.max_line_bytes
+        for line in parts[1:-1]:
+            self.lineno += 1
+            feed(self.lineno, line[:limit + 1], len(line))
+        self.rest, self.rest_len = b"", 0
+        self._extend(parts[-1])
 
-    def _emit(self) -> None:
+    def _extend(self, piece: bytes) -> None:
+        room = self.v.max_line_bytes + 1 - len(self.rest)
+        if room > 0:
+            self.rest += piece[:room]
+        self.rest_len += len(piece)
+
+    def _emit(self, raw: bytes, length: int) -> None:
         self.lineno += 1
-        self.v.feed(self.lineno, bytes(self.buf), self.buf_len)
-        self.buf.clear()
-        self.buf_len = 0
+        self.v.feed(self.lineno, raw, length)
 
     def finish(self, over_limit: int | None = None) -> dict[str, Any]:
-        if self.buf_len and over_limit is None:
-            self._emit()
+        if self.rest_len and over_limit is None:
+            self._emit(self.rest, self.rest_len)
         return self.v.finish(total_bytes=self.total, over_limit=over_limit)
 
 

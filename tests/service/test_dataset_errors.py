@@ -57,3 +57,44 @@ def test_unknown_model_means_tokens_unchecked(gw_tok: Gateway) -> None:
                            data={"purpose": "fine-tune"},
                            files={"file": ("t.jsonl", (DATASETS / "warnings_only.jsonl").read_bytes())})
     assert "tokens_not_checked" in r.json()["validation"]["warning_counts"]
+
+
+def test_length_bound_is_never_below_the_exact_count(tiny_catalog: Path) -> None:
+    import random
+
+    from gateway.tokencount import HFTokenCounter
+
+    entry = next(iter((tiny_catalog / "tiny-chat").iterdir()))
+    counter = HFTokenCounter(entry, "tiny-chat")
+    assert counter._overhead is not None, "byte-level BPE must get a bound"
+    rng = random.Random(0)
+    alphabet = "abc xyz 0123 \n\t.,!?é€🌍中文\u200b\\\"{}" + "".join(chr(c) for c in range(0x400, 0x420))
+    convs = []
+    for _ in range(300):
+        msgs = [{"role": "system", "content": "".join(rng.choices(alphabet, k=rng.randint(0, 30)))}] \
+            if rng.random() < 0.3 else []
+        for _ in range(rng.randint(1, 3)):
+            for role in ("user", "assistant"):
+                msgs.append({"role": role, "content": "".join(rng.choices(alphabet, k=rng.randint(0, 200)))})
+        convs.append(msgs)
+    exact = counter.count(convs)
+    for conv, (total, _) in zip(convs, exact, strict=True):
+        bound = counter.bound(conv)
+        assert bound is not None and bound >= total
+
+
+def test_too_long_example_caught_outside_the_statistics_sample(tiny_catalog: Path) -> None:
+    from gateway.tokencount import HFTokenCounter
+    from gateway.validation import validate_stream
+
+    entry = next(iter((tiny_catalog / "tiny-chat").iterdir()))
+    rows = [json.dumps({"messages": [{"role": "user", "content": f"q {i}"},
+                                     {"role": "assistant", "content": f"answer {i}"}]}) for i in range(2100)]
+    rows[2049] = json.dumps({"messages": [{"role": "user", "content": "x " * 400},
+                                          {"role": "assistant", "content": "ok"}]})   # line 2050
+    report = validate_stream([("\n".join(rows) + "\n").encode()],
+                             counter=HFTokenCounter(entry, "tiny-chat"), max_seq_len=256)
+    assert report["error_counts"] == {"example_too_long": 1}
+    assert report["errors"][0]["line"] == 2050
+    tok = report["stats"]["tokens"]
+    assert tok["exact"] is False and tok["sampled_examples"] < 2100
