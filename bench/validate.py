@@ -119,9 +119,8 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=200, help="file size without token counting")
     ap.add_argument("--token-mb", type=int, default=20, help="file size with token counting")
     args = ap.parse_args()
-    from trainer import catalog
-
     from gateway.tokencount import HFTokenCounter
+    from trainer import catalog
 
     with tempfile.TemporaryDirectory() as tmp:
         tmpd = Path(tmp)
