@@ -65,7 +65,7 @@ class HFTokenCounter:
         texts = self.tok.apply_chat_template(convs, tokenize=False)
         backend = self.tok.backend_tokenizer
         encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # no offsets: faster
-        totals = [len(e.ids) for e in encode(texts, add_special_tokens=False)]
+        totals = [len(e.ids) for e in encode(list(texts), add_special_tokens=False)]
         owners, contents = [], []
         for i, c in enumerate(convs):
             for m in c:

@@ -1,0 +1,151 @@
+"""The one job state machine, and the only place that knows Slurm's state names.
+
+``transition(state, event)`` is the only way a job's state changes (the service
+layer calls it inside a version-checked update). ``from_slurm`` turns what Slurm
+reports into an event. The OpenAI-visible status is ``state.value``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from types import MappingProxyType
+
+
+class JobState(StrEnum):
+    VALIDATING_FILES = "validating_files"
+    QUEUED = "queued"
+    RUNNING = "running"
+    PUBLISHING = "publishing"
+    SUCCEEDED = "succeeded"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+class Phase(StrEnum):
+    TOKENIZING = "tokenizing"
+    TRAINING = "training"
+    EVALUATING = "evaluating"
+
+
+class Event(StrEnum):
+    SUBMITTED = "submitted"          # files valid, sbatch accepted
+    STARTED = "started"              # Slurm: RUNNING
+    REQUEUED = "requeued"            # Slurm: back to PENDING (time limit, node failure, admin)
+    COMPLETED = "completed"          # Slurm: COMPLETED (exit 0)
+    PUBLISHED = "published"          # artifacts moved into place, in the same transaction
+    CANCEL = "cancel"                # tenant asked
+    STOPPED = "stopped"              # Slurm says the job ended (any way) and no process is left
+    ERROR = "error"                  # failed, with a FailReason
+
+
+class FailReason(StrEnum):
+    USER_ERROR = "user_error"
+    TIMEOUT = "timeout"
+    NODE_FAIL = "node_fail"
+    OOM = "oom"
+    INTERNAL = "internal"
+
+
+TERMINAL = frozenset({JobState.SUCCEEDED, JobState.CANCELLED, JobState.FAILED})
+ACTIVE = frozenset(JobState) - TERMINAL
+
+
+class IllegalTransition(ValueError):
+    """``event`` cannot happen in ``state``; nothing was changed."""
+
+    def __init__(self, state: JobState, event: Event):
+        super().__init__(f"event {event.value!r} is not allowed in state {state.value!r}")
+        self.state, self.event = state, event
+
+
+def _table() -> dict[tuple[JobState, Event], JobState]:
+    S, E = JobState, Event
+    t = {
+        (S.VALIDATING_FILES, E.SUBMITTED): S.QUEUED,
+        (S.QUEUED, E.STARTED): S.RUNNING,
+        (S.QUEUED, E.REQUEUED): S.QUEUED,
+        (S.QUEUED, E.COMPLETED): S.PUBLISHING,    # ran between two reconcile cycles
+        (S.RUNNING, E.STARTED): S.RUNNING,
+        (S.RUNNING, E.REQUEUED): S.QUEUED,
+        (S.RUNNING, E.COMPLETED): S.PUBLISHING,
+        (S.PUBLISHING, E.PUBLISHED): S.SUCCEEDED,
+        (S.CANCELLING, E.CANCEL): S.CANCELLING,   # cancel is idempotent
+        (S.CANCELLING, E.STOPPED): S.CANCELLED,
+        (S.CANCELLING, E.COMPLETED): S.CANCELLED,  # finished anyway: never published
+        (S.CANCELLING, E.ERROR): S.CANCELLED,
+        (S.CANCELLING, E.STARTED): S.CANCELLING,
+        (S.CANCELLING, E.REQUEUED): S.CANCELLING,
+    }
+    for s in ACTIVE - {S.CANCELLING}:
+        t[(s, E.CANCEL)] = S.CANCELLING
+        t[(s, E.ERROR)] = S.FAILED
+    return t
+
+
+TRANSITIONS = MappingProxyType(_table())
+
+
+def transition(state: JobState, event: Event) -> JobState:
+    """The state after ``event``; raises IllegalTransition (terminal states accept none)."""
+    try:
+        return TRANSITIONS[(state, event)]
+    except KeyError:
+        raise IllegalTransition(state, event) from None
+
+
+@dataclass(frozen=True)
+class SlurmView:
+    """What a Slurm state means for a job: an event (or None: nothing changed) and,
+    for errors, a reason and a message a tenant can act on."""
+
+    event: Event | None
+    reason: FailReason | None = None
+    message: str | None = None
+
+
+# trainer exit codes (trainer/exitcodes.py) → failure reasons
+_EXIT_REASONS = {65: (FailReason.USER_ERROR, "the dataset or job spec was rejected by the trainer"),
+                 78: (FailReason.USER_ERROR, "the base model is missing or does not match its digest"),
+                 143: (FailReason.INTERNAL, "the trainer was stopped by a signal")}
+
+_PENDING = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "RESV_DEL_HOLD",
+            "SPECIAL_EXIT", "SUSPENDED", "STOPPED", "RESIZING"}
+_RUNNING = {"RUNNING", "COMPLETING", "SIGNALING", "STAGE_OUT"}
+
+
+def from_slurm(state: str | None, exit_code: int | None = None, *, was_running: bool = False) -> SlurmView:
+    """Map a Slurm job state (squeue %T / sacct State) to an event.
+
+    ``None`` (the job is in neither squeue nor sacct yet) is "not yet visible":
+    no event, never a failure. ``was_running`` tells a requeue (PENDING after
+    RUNNING) from a job still waiting.
+    """
+    if state is None:
+        return SlurmView(None)
+    s = state.split()[0].rstrip("+").upper()
+    if s in _PENDING:
+        return SlurmView(Event.REQUEUED if was_running else None)
+    if s in _RUNNING:
+        return SlurmView(Event.STARTED)
+    if s == "COMPLETED":
+        return SlurmView(Event.COMPLETED)
+    if s == "TIMEOUT":
+        return SlurmView(Event.ERROR, FailReason.TIMEOUT,
+                         "the job reached its time limit; it was checkpointed and requeued as long as "
+                         "requeues were left: ask for more time or fewer epochs")
+    if s in ("NODE_FAIL", "BOOT_FAIL"):
+        return SlurmView(Event.ERROR, FailReason.NODE_FAIL,
+                         "the compute node failed; submit the job again")
+    if s == "OUT_OF_MEMORY":
+        return SlurmView(Event.ERROR, FailReason.OOM,
+                         "the job ran out of memory: lower batch_size_tokens or max_seq_len")
+    if s == "CANCELLED":
+        return SlurmView(Event.STOPPED, FailReason.INTERNAL,
+                         "the job was cancelled outside the gateway (by an administrator)")
+    if s in ("FAILED", "DEADLINE", "PREEMPTED", "REVOKED"):
+        reason, msg = _EXIT_REASONS.get(exit_code or -1, (FailReason.INTERNAL,
+                                                          f"the job failed (Slurm state {s}, exit {exit_code})"))
+        return SlurmView(Event.ERROR, reason, msg)
+    return SlurmView(None)   # an unknown new Slurm state: change nothing, the next cycle decides
