@@ -111,13 +111,23 @@ R = TypeVar("R")
 
 
 def parse_rows(
-    text: str, fields: tuple[Field, ...], make: Callable[..., R], delim: str = DELIM
+    text: str, fields: tuple[Field, ...], make: Callable[..., R], delim: str = DELIM,
+    free: str | None = None,
 ) -> Iterator[R]:
-    """Yield one record per non-empty line; raise SlurmParseError on a bad line."""
+    """Yield one record per non-empty line; raise SlurmParseError on a bad line.
+
+    ``free`` names the one field whose text a user controls (a job name): when a line
+    has too many fields, the surplus is taken to be delimiters inside that field and
+    joined back, since every other field is machine-made.
+    """
+    free_at = next((i for i, f in enumerate(fields) if f[1] == free), None)
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         values = line.split(delim)
+        extra = len(values) - len(fields)
+        if extra > 0 and free_at is not None:
+            values[free_at:free_at + extra + 1] = [delim.join(values[free_at:free_at + extra + 1])]
         if len(values) != len(fields):
             raise SlurmParseError(
                 f"line {lineno}: expected {len(fields)} fields, got {len(values)}: {line[:200]!r}"
@@ -177,7 +187,7 @@ SQUEUE_FIELDS: tuple[Field, ...] = (
 
 
 def parse_squeue(text: str) -> list[QueueRecord]:
-    return list(parse_rows(text, SQUEUE_FIELDS, QueueRecord))
+    return list(parse_rows(text, SQUEUE_FIELDS, QueueRecord, free="name"))
 
 
 # ---------------------------------------------------------------------- sacct
@@ -255,7 +265,7 @@ def parse_sacct(text: str) -> list[AcctRecord]:
         if _STEP_RE.search(job_id):
             continue
         keep.append(line)
-    return list(parse_rows("\n".join(keep), SACCT_FIELDS, AcctRecord))
+    return list(parse_rows("\n".join(keep), SACCT_FIELDS, AcctRecord, free="name"))
 
 
 # --------------------------------------------------------------------- sshare
@@ -312,4 +322,4 @@ SINFO_R_FIELDS: tuple[Field, ...] = (
 
 
 def parse_sinfo_r(text: str) -> list[DrainedNode]:
-    return list(parse_rows(text, SINFO_R_FIELDS, DrainedNode))
+    return list(parse_rows(text, SINFO_R_FIELDS, DrainedNode, free="reason"))

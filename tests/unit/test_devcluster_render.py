@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.slurm.devcluster import DevClusterConfig, render_configs, render_wrappers
+from gateway.slurm.devcluster import DevClusterConfig, render_configs
 
 
 def test_configs_follow_the_hostname() -> None:
@@ -27,9 +27,3 @@ def test_required_settings() -> None:
         assert line in slurm.splitlines()
     cgroup = render_configs(DevClusterConfig(host="h"), "pw")["cgroup.conf"]
     assert "ConstrainDevices=yes" in cgroup and "ConstrainRAMSpace=yes" in cgroup
-
-
-def test_wrappers_use_configured_paths() -> None:
-    w = render_wrappers(DevClusterConfig(host="h"))
-    assert "scratch_root=/var/lib/slurm-finetune/scratch" in w["prolog.sh"]
-    assert 'dir="$scratch_root/job-$job"' in w["epilog.sh"]

@@ -87,3 +87,14 @@ def test_gpu_count(tres: str, gpus: int) -> None:
     ("CANCELLED by 0", "CANCELLED"), ("RUNNING", "RUNNING"), ("OUT_OF_MEMORY", "OUT_OF_MEMORY")])
 def test_state_word(value: str, expected: str) -> None:
     assert rec.state_word(value) == expected
+
+
+def test_delimiter_inside_a_job_name_is_joined_back() -> None:
+    fields = ["42", "42", "a\x1fb\x1fc", "u", "acct", "q", "COMPLETED", "0:0", "None",
+              "2026-11-30T06:05:52", "2026-11-30T06:05:52", "2026-11-30T06:05:52", "2026-11-30T06:05:56",
+              "4", "cpu=1,gres/gpu=1", "cpu=1,gres/gpu=1", "n1", "00:05:00"]
+    (row,) = rec.parse_sacct("\x1f".join(fields))
+    assert row.name == "a\x1fb\x1fc" and row.account == "acct" and row.gpus == 1
+    qfields = ["7", "RUNNING", "None", "u", "a", "q", "N/A", "N/A", "", "x\x1fy", "gres:gpu:1"]
+    (q,) = rec.parse_squeue("\x1f".join(qfields))
+    assert q.name == "x\x1fy" and q.gpus == 1

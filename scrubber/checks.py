@@ -1,0 +1,317 @@
+"""The prolog and epilog steps. Each is a check (STYLE #12): ``observe_*`` does the I/O,
+``judge_*`` turns the observation into a Verdict (pure), and the step function joins them.
+
+Steps never read file contents and never put file names in their messages: a
+report says how many files and bytes went, and which processes (pid, comm) died.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+from scrubber import files, gpu, procs
+from scrubber.config import ScrubConfig
+from scrubber.jobenv import JobContext
+
+Figures = dict[str, int | float | str | list[str]]
+
+
+class Status(StrEnum):
+    OK = "ok"
+    FAIL = "fail"
+    SKIPPED = "skipped"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    status: Status
+    message: str
+    figures: Figures = field(default_factory=dict)
+
+
+def ok(message: str, **figures: int | float | str | list[str]) -> Verdict:
+    return Verdict(Status.OK, message, figures)
+
+
+def fail(message: str, **figures: int | float | str | list[str]) -> Verdict:
+    return Verdict(Status.FAIL, message, figures)
+
+
+def skipped(message: str, **figures: int | float | str | list[str]) -> Verdict:
+    return Verdict(Status.SKIPPED, message, figures)
+
+
+@dataclass(frozen=True)
+class Scrub:
+    """What every step needs: settings, the job, and the job's GPU device files."""
+    cfg: ScrubConfig
+    job: JobContext
+    gpu_files: tuple[str, ...]
+
+    @classmethod
+    def make(cls, cfg: ScrubConfig, job: JobContext) -> Scrub:
+        gres = gpu.read_gres_conf(cfg.gres_conf)
+        return cls(cfg, job, tuple(gpu.job_gpu_files(gres, job.node, job.gpus)))
+
+    @property
+    def scratch(self) -> Path:
+        return self.cfg.scratch_root / f"job-{self.job.job_id}"
+
+    def minors(self) -> list[int]:
+        return [m for m in map(gpu.device_minor, self.gpu_files) if m is not None]
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    run: Callable[[Scrub], Verdict]
+
+
+def _describe(ps: list[procs.Proc], limit: int = 10) -> list[str]:
+    return [f"{p.pid}:{p.comm}:uid={p.uid}" for p in ps[:limit]]
+
+
+# ------------------------------------------------------------------ scratch
+def judge_scratch_created(st: files.DirState, uid: int, error: str = "") -> Verdict:
+    if error:
+        return fail(f"could not create the scratch dir: {error}")
+    if not (st.exists and st.is_dir):
+        return fail("scratch dir missing or not a directory after creation")
+    if st.uid != uid or st.mode != 0o700:
+        return fail(f"scratch dir is uid {st.uid} mode {st.mode:o}, expected uid {uid} mode 700")
+    return ok(f"scratch dir created, owner uid {uid}, mode 700")
+
+
+def step_make_scratch(s: Scrub) -> Verdict:
+    try:
+        files.make_scratch(s.cfg.scratch_root, s.job.job_id, s.job.uid, s.job.gid)
+        error = ""
+    except OSError as e:
+        error = str(e)
+    v = judge_scratch_created(files.dir_state(s.scratch), s.job.uid, error)
+    return Verdict(v.status, v.message, {**v.figures, "path": str(s.scratch)})
+
+
+def judge_removed(removed: files.Removed, left: int, what: str) -> Verdict:
+    figures: Figures = {"files_removed": removed.files, "dirs_removed": removed.dirs,
+                        "bytes_removed": removed.bytes}
+    if removed.errors or left:
+        return fail(f"{what}: {left} entries left, {removed.errors} errors "
+                    f"(first: {removed.first_error or '-'})", **figures)
+    return ok(f"{what}: removed {removed.files} files, {removed.dirs} dirs, "
+              f"{removed.bytes} bytes; none left", **figures)
+
+
+def step_remove_scratch(s: Scrub) -> Verdict:
+    removed = files.remove_path(s.scratch)
+    left = 1 if files.dir_state(s.scratch).exists else 0
+    return judge_removed(removed, left, "scratch")
+
+
+# ---------------------------------------------------------------- processes
+def _tenant_uids(prefix: str, job_uid: int) -> set[int]:
+    uids = {p.pw_uid for p in pwd.getpwall() if prefix and p.pw_name.startswith(prefix)}
+    return (uids | {job_uid}) - {0}  # root's daemons are not a tenant's leftovers
+
+
+def judge_leftovers(found: list[procs.Proc]) -> Verdict:
+    if found:
+        uids = sorted({p.uid for p in found})
+        return fail(f"{len(found)} leftover tenant process(es) of uid(s) {uids} with no job on "
+                    "this node", processes=_describe(found))
+    return ok("no leftover tenant process on this node")
+
+
+def step_leftover_processes(s: Scrub) -> Verdict:
+    ps = procs.list_procs(s.cfg.proc_root)
+    found = procs.leftovers(ps, tenant_uids=_tenant_uids(s.cfg.tenant_user_prefix, s.job.uid),
+                            node=s.job.node, job_id=s.job.job_id, live=procs.live_jobs(ps))
+    return judge_leftovers(found)
+
+
+def judge_kill(rounds: list[procs.KillResult], left: list[procs.Proc]) -> Verdict:
+    killed = [p for r in rounds for p in r.killed]
+    forced = sum(len(r.needed_kill) for r in rounds)
+    figures: Figures = {"processes_killed": len(killed), "needed_sigkill": forced,
+                        "killed": _describe(killed, 50)}
+    if left:
+        return fail(f"{len(left)} process(es) of the job user survive SIGKILL "
+                    f"(unkillable, D state?)", survivors=_describe(left), **figures)
+    return ok(f"killed {len(killed)} leftover process(es) ({forced} needed SIGKILL); none left",
+              **figures)
+
+
+def _targets(s: Scrub) -> list[procs.Proc]:
+    ps = procs.list_procs(s.cfg.proc_root)
+    return procs.kill_targets(ps, uid=s.job.uid, node=s.job.node, job_id=s.job.job_id,
+                              live=procs.live_jobs(ps))
+
+
+def step_kill_processes(s: Scrub, rounds: int = 3) -> Verdict:
+    """TERM → KILL every process of the job user no other live job owns; repeat while the
+    dying ones spawn new ones."""
+    results = []
+    targets = _targets(s)
+    for _ in range(rounds):
+        if not targets or s.job.uid == 0:
+            break
+        results.append(procs.terminate(targets, grace_s=s.cfg.kill_grace_s, wait_s=s.cfg.kill_wait_s))
+        targets = _targets(s)
+    if s.job.uid == 0:
+        return skipped("job user is root: not killing root's processes")
+    return judge_kill(results, targets)
+
+
+# ------------------------------------------------------------------------ files
+def _other_jobs_of_user(s: Scrub) -> list[int]:
+    live = procs.live_jobs(procs.list_procs(s.cfg.proc_root))
+    return sorted(j for j, w in live.items() if w.uid == s.job.uid and j != s.job.job_id)
+
+
+def step_remove_tmp_files(s: Scrub) -> Verdict:
+    others = _other_jobs_of_user(s)
+    if others:
+        return skipped(f"the job user has other job(s) {others} on this host: its files in "
+                       f"{', '.join(map(str, s.cfg.tmp_dirs))} stay until its last job ends")
+    if s.job.uid == 0:
+        return skipped("job user is root: not removing root's files")
+    removed = files.Removed()
+    for top in s.cfg.tmp_dirs:
+        for path in list(files.owned_entries(top, s.job.uid)):
+            removed.add(files.remove_path(path))
+    left = sum(1 for top in s.cfg.tmp_dirs for _ in files.owned_entries(top, s.job.uid))
+    where = "+".join(map(str, s.cfg.tmp_dirs))
+    return judge_removed(removed, left, where)
+
+
+# -------------------------------------------------------------------------- GPUs
+def judge_device_holders(holders: dict[str, list[tuple[int, int]]], allowed_uids: set[int]) -> Verdict:
+    bad = {dev: [pid for pid, uid in hs if uid not in allowed_uids] for dev, hs in holders.items()}
+    bad = {d: pids for d, pids in bad.items() if pids}
+    if not holders:
+        return skipped("the job has no GPU")
+    if bad:
+        return fail(f"device file(s) held open by other processes: {bad}")
+    return ok(f"no foreign process holds {', '.join(sorted(holders))}")
+
+
+def step_prolog_device_holders(s: Scrub) -> Verdict:
+    return judge_device_holders(procs.device_holders(s.cfg.proc_root, s.gpu_files), {0, s.job.uid})
+
+
+def step_epilog_device_holders(s: Scrub) -> Verdict:
+    return judge_device_holders(procs.device_holders(s.cfg.proc_root, s.gpu_files), {0})
+
+
+def judge_gpu_processes(info: dict[int, gpu.GpuInfo] | None, minors: list[int],
+                        pid_uid: dict[int, int | None], allowed_uids: set[int], me: int) -> Verdict:
+    if not minors:
+        return skipped("the job has no GPU")
+    if info is None:
+        return skipped(gpu.NO_DRIVER)
+    missing = sorted(set(minors) - set(info))
+    if missing:
+        return fail(f"NVML does not see the job's GPU(s) with minor number(s) {missing}")
+    bad = sorted(pid for g in info.values() for pid in g.compute_pids
+                 if pid != me and pid_uid.get(pid) not in allowed_uids)
+    if bad:
+        return fail(f"compute process(es) {bad} on the job's GPU(s)")
+    return ok(f"no foreign compute process on {len(info)} GPU(s)")
+
+
+def _pid_uids(info: dict[int, gpu.GpuInfo] | None, proc_root: Path) -> dict[int, int | None]:
+    out: dict[int, int | None] = {}
+    for g in (info or {}).values():
+        for pid in g.compute_pids:
+            p = procs.read_proc(proc_root, pid)
+            out[pid] = p.uid if p else None  # unknown (other pid namespace): foreign
+    return out
+
+
+def step_prolog_gpu_processes(s: Scrub) -> Verdict:
+    minors = s.minors()
+    info = gpu.gpu_info(minors) if minors else None
+    return judge_gpu_processes(info, minors, _pid_uids(info, s.cfg.proc_root), {s.job.uid},
+                               os.getpid())
+
+
+def step_epilog_gpu_processes(s: Scrub) -> Verdict:
+    minors = s.minors()
+    info = gpu.gpu_info(minors) if minors else None
+    return judge_gpu_processes(info, minors, _pid_uids(info, s.cfg.proc_root), set(), os.getpid())
+
+
+def judge_gpu_memory(info: dict[int, gpu.GpuInfo] | None, minors: list[int],
+                     tolerance_bytes: int) -> Verdict:
+    if not minors:
+        return skipped("the job has no GPU")
+    if info is None:
+        return skipped(gpu.NO_DRIVER)
+    used = {m: g.used for m, g in sorted(info.items())}
+    if len(info) < len(minors) or any(u > tolerance_bytes for u in used.values()):
+        return fail(f"GPU memory in use before the job (bytes by minor): {used}")
+    return ok(f"GPU memory free on {len(info)} GPU(s)", gpu_bytes_used=sum(used.values()))
+
+
+def step_gpu_memory(s: Scrub) -> Verdict:
+    minors = s.minors()
+    info = gpu.gpu_info(minors) if minors else None
+    return judge_gpu_memory(info, minors, s.cfg.gpu_used_tolerance_mb << 20)
+
+
+def judge_wipe(results: list[gpu.WipeResult], expected: int) -> Verdict:
+    wiped = sum(r.wiped_bytes for r in results)
+    seconds = sum(r.seconds for r in results)
+    figures: Figures = {"gpu_bytes_wiped": wiped, "gpu_bytes_total": sum(r.total_bytes for r in results),
+                        "wipe_seconds": round(seconds, 3),
+                        "wipe_gb_per_s": round(wiped / seconds / 1e9, 1) if seconds else 0.0}
+    if len(results) != expected:
+        return fail(f"wiped {len(results)} of {expected} GPU(s)", **figures)
+    bad = [r.device for r in results if r.nonzero_chunks or not r.wiped_bytes]
+    if bad:
+        return fail(f"GPU memory not verified zero on {bad}", **figures)
+    return ok(f"zeroed and verified {wiped} bytes on {len(results)} GPU(s)", **figures)
+
+
+def step_gpu_wipe(s: Scrub) -> Verdict:
+    minors = s.minors()
+    if not minors:
+        return skipped("the job has no GPU")
+    info = gpu.gpu_info(minors)
+    if info is None:
+        return skipped(gpu.NO_DRIVER)
+    torch = gpu.import_torch_cuda([info[m].uuid for m in minors if m in info])
+    if torch is None:
+        return fail("an NVIDIA driver is present but torch with CUDA is not in the scrubber's "
+                    "runtime: GPU memory cannot be wiped")
+    results = [gpu.wipe_gpu(torch, i, chunk_bytes=s.cfg.wipe_chunk_mb << 20,
+                            min_chunk_bytes=s.cfg.wipe_min_chunk_mb << 20)
+               for i in range(torch.cuda.device_count())]
+    return judge_wipe(results, len(minors))
+
+
+# ------------------------------------------------------------------------ plans
+PROLOG: tuple[Step, ...] = (
+    Step("scratch", step_make_scratch),
+    Step("leftover_processes", step_leftover_processes),
+    Step("gpu_device_holders", step_prolog_device_holders),
+    Step("gpu_processes", step_prolog_gpu_processes),
+    Step("gpu_memory", step_gpu_memory),
+)
+
+EPILOG: tuple[Step, ...] = (
+    Step("kill_processes", step_kill_processes),
+    Step("gpu_wipe", step_gpu_wipe),
+    Step("gpu_processes", step_epilog_gpu_processes),
+    Step("gpu_device_holders", step_epilog_device_holders),
+    Step("scratch", step_remove_scratch),
+    Step("tmp_files", step_remove_tmp_files),
+)
+
+PLANS = {"prolog": PROLOG, "epilog": EPILOG}
+STEP_NAMES = sorted({st.name for plan in PLANS.values() for st in plan})

@@ -1,0 +1,151 @@
+"""The usage report on sacct output recorded from the real dev cluster (tests/data/accounting)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+
+from accounting.gateway_facts import Cancellation, GatewayFacts, ScrubFailure
+from accounting.usage import charged_pieces, final_runs, percentile, tres_count, usage_report
+from accounting.window import AccountingError, Window
+from gateway.slurm import records as rec
+from tests.accounting.conftest import ACCT_DATA, LIVE_AT, RECORDED_AT, sacct
+
+HOUR = Window(datetime(2026, 11, 30, 6, 0, tzinfo=UTC), datetime(2026, 11, 30, 7, 0, tzinfo=UTC))
+
+
+def _rows(report):  # type: ignore[no-untyped-def]
+    return {r.key: r for r in report.rows}
+
+
+def test_gpu_seconds_are_gpus_times_elapsed_per_tenant() -> None:
+    rows = _rows(usage_report(sacct("sacct_final.txt"), HOUR, now=RECORDED_AT))
+    # t-acct-a: 90 + requeued run 1 + array tasks 2+3+2 + job 93's two runs 3+5
+    assert rows["t-acct-a"].gpu_seconds == 106
+    # t-acct-b: 2 GPUs x 3 s + 1 + 20 + 20; the job cancelled while pending adds nothing
+    assert rows["t-acct-b"].gpu_seconds == 2 * 3 + 1 + 20 + 20
+    assert rows["t-acct-b"].cpu_seconds == 3 + 1 + 20 + 20  # 1 CPU each
+
+
+def test_each_job_counted_once_in_final_state_and_requeues_counted() -> None:
+    report = usage_report(sacct("sacct_final.txt"), HOUR, now=RECORDED_AT)
+    a, b = _rows(report)["t-acct-a"], _rows(report)["t-acct-b"]
+    # 6 jobs: 84, 85 (only its REQUEUED run is in sacct), three array tasks, 93 (requeued, then done)
+    assert a.jobs == 6 and a.states == {"COMPLETED": 5, "REQUEUED": 1}
+    assert a.requeues == 2
+    assert b.states == {"CANCELLED": 1, "COMPLETED": 4}
+    assert report.total.jobs == 11
+
+
+def test_array_tasks_are_separate_jobs() -> None:
+    rows = sacct("sacct_final.txt")
+    tasks = [r for r in final_runs(rows) if r.job_id.startswith("88_")]
+    assert sorted(r.job_id for r in tasks) == ["88_0", "88_1", "88_2"]
+    assert len({r.job_id_raw for r in tasks}) == 3
+
+
+def test_queue_wait_excludes_jobs_that_never_started() -> None:
+    rows = _rows(usage_report(sacct("sacct_final.txt"), HOUR, now=RECORDED_AT))
+    b = rows["t-acct-b"]
+    # 83: 0 s, 89: 1 s, 94: 0 s, 95: 21 s (QOSMaxGRESPerUser); 96 was cancelled while pending
+    assert b.waits == 4
+    assert b.wait_p50_s == 0.5 and b.wait_p95_s == pytest.approx(18.0)
+    # the requeued job's rerun waited for its BeginTime: Submit 06:20:16 -> Start 06:20:27
+    assert rows["t-acct-a"].waits == 7 and rows["t-acct-a"].wait_p95_s == pytest.approx(9.5)
+
+
+def test_running_jobs_count_up_to_now_and_pending_ones_not_at_all() -> None:
+    report = usage_report(sacct("sacct_live.txt"), HOUR, now=LIVE_AT)
+    rows = _rows(report)
+    # 84 RUNNING since 06:19:13 -> 65 s at 06:20:18 (sacct printed ElapsedRaw=65 then)
+    assert rows["t-acct-a"].gpu_seconds == 65 + 1 + 2 + 3 + 2 + 3
+    # 94 RUNNING since 06:20:12 -> 6 s; 95 PENDING and 96 CANCELLED before start: nothing
+    assert rows["t-acct-b"].gpu_seconds == 2 * 3 + 1 + 6
+    assert rows["t-acct-b"].states == {"CANCELLED": 1, "COMPLETED": 2, "PENDING": 1, "RUNNING": 1}
+    assert rows["t-acct-b"].run_p50_s == 2.0  # only finished runs (3 s, 1 s) have a run time
+
+
+def test_job_spanning_the_window_start_is_prorated() -> None:
+    window = Window(datetime(2026, 11, 30, 6, 20, tzinfo=UTC), HOUR.end)
+    rows = _rows(usage_report(sacct("sacct_final.txt"), window, now=RECORDED_AT))
+    # 84 ran 06:19:13-06:20:43: 43 of its 90 s fall in the window; 94, 95, 93's runs are inside
+    assert rows["t-acct-a"].gpu_seconds == 43 + 3 + 5
+    assert rows["t-acct-b"].gpu_seconds == 20 + 20
+
+
+def test_midnight_crossing_jobs_split_between_days() -> None:
+    # sacct_midnight.txt: real rows whose timestamps were moved across midnight by hand.
+    rows = sacct("sacct_midnight.txt")
+    window = Window(datetime(2026, 11, 28, tzinfo=UTC), datetime(2026, 12, 1, tzinfo=UTC))
+    by_day = _rows(usage_report(rows, window, by="day", now=RECORDED_AT))
+    assert by_day["2026-11-28"].gpu_seconds == 2 * 3600          # 94: 22:00 -> midnight
+    assert by_day["2026-11-29"].gpu_seconds == 86400 + 47 + 2 * 1  # 94 all day, 84 47 s, 83 1 s x 2 GPUs
+    assert by_day["2026-11-30"].gpu_seconds == 3600 + 43 + 2 * 2
+    by_tenant = usage_report(rows, window, now=RECORDED_AT)
+    assert by_tenant.gpu_hours_by_tenant_day["t-acct-a"] == {
+        "2026-11-29": pytest.approx(47 / 3600), "2026-11-30": pytest.approx(43 / 3600)}
+    assert by_tenant.total.gpu_seconds == sum(r.gpu_seconds for r in by_day.values())
+
+
+def test_one_day_window_takes_only_its_part() -> None:
+    rows = sacct("sacct_midnight.txt")
+    day = Window(datetime(2026, 11, 30, tzinfo=UTC), datetime(2026, 12, 1, tzinfo=UTC))
+    assert usage_report(rows, day, now=RECORDED_AT).total.gpu_seconds == 3600 + 43 + 4
+
+
+def test_group_by_user_and_qos_keep_names_with_the_pipe() -> None:
+    by_qos = _rows(usage_report(sacct("sacct_final.txt"), HOUR, by="qos", now=RECORDED_AT))
+    assert set(by_qos) == {"ft-small", "ft-standard"}
+    assert by_qos["ft-small"].gpu_seconds == 1 + 20 + 20  # 89 ("we|ird name,x"), 94, 95
+    by_user = _rows(usage_report(sacct("sacct_final.txt"), HOUR, by="user", now=RECORDED_AT))
+    assert set(by_user) == {"sft-t-acct-a", "sft-t-acct-b"}
+    assert [r.name for r in sacct("sacct_final.txt") if r.job_id == "89"] == ["we|ird name,x"]
+
+
+def test_job_name_with_the_sacct_delimiter() -> None:
+    # recorded from a real `sbatch -J $'unit\x1fsep'`: the surplus fields are joined back
+    rows = rec.parse_sacct((ACCT_DATA / "sacct_unitsep_name.txt").read_text())
+    assert rows[0].name == "unit\x1fsep" and rows[0].account == "t-acct-b"
+
+
+def test_old_recording_with_step_rows() -> None:
+    text = (ACCT_DATA.parent / "sacct_steps_duplicates.txt").read_text()
+    window = Window(datetime(2026, 11, 30, 6, tzinfo=UTC), HOUR.end)
+    rows = _rows(usage_report(rec.parse_sacct(text), window, now=RECORDED_AT))
+    assert rows["beta"].gpu_seconds == 4 and rows["beta"].jobs == 1
+    # job 7 and job 15 were cancelled before they started: counted as jobs, never as waits
+    assert rows["acme"].states["CANCELLED"] >= 2
+    assert rows["acme"].waits == rows["acme"].jobs - 2
+
+
+def test_unknown_grouping_lists_the_valid_ones() -> None:
+    with pytest.raises(AccountingError, match="valid: tenant, user, qos, day"):
+        usage_report([], HOUR, by="project")
+
+
+def test_gateway_facts_missing_is_not_available_not_zero() -> None:
+    report = usage_report(sacct("sacct_final.txt"), HOUR, now=RECORDED_AT)
+    assert report.total.cancellations is None and report.total.scrub_failures is None
+    assert report.note and "not available" in report.note
+
+
+def test_gateway_facts_when_present() -> None:
+    t = datetime(2026, 11, 30, 6, 20, 12, tzinfo=UTC)
+    facts = GatewayFacts(
+        cancellations=(Cancellation(96, "t-acct-b", t, t.replace(second=17)),
+                       Cancellation(999, "t-acct-a", t, None)),
+        scrub_failures=(ScrubFailure(94, "t-acct-b", "vm-n1", t, "gpu not clean"),))
+    rows = _rows(usage_report(sacct("sacct_final.txt"), HOUR, now=RECORDED_AT, facts=facts))
+    assert rows["t-acct-b"].cancellations == 1 and rows["t-acct-b"].cancel_stop_p50_s == 5
+    assert rows["t-acct-b"].scrub_failures == 1
+    assert rows["t-acct-a"].cancellations == 1 and rows["t-acct-a"].cancel_stop_p50_s is None
+
+
+def test_helpers() -> None:
+    assert tres_count("billing=1,cpu=4,gres/gpu=2,mem=1G", "cpu") == 4
+    assert tres_count("", "cpu") == 0
+    assert percentile([], 50) is None
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 95) == 5
+    never = next(r for r in sacct("sacct_final.txt") if r.job_id == "96")
+    assert charged_pieces(never, HOUR, RECORDED_AT) == []
