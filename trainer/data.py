@@ -147,9 +147,7 @@ def _spans_by_prefix(
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = tokenizer.apply_chat_template(
-            messages[:i], tokenize=False, add_generation_prompt=True
-        )
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
         upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
         start, end = len(_encode(tokenizer, before)), _encode(tokenizer, upto)
         if ids[: len(end)] != end:
@@ -161,9 +159,7 @@ def _spans_by_prefix(
     return spans
 
 
-def tokenize_conversation(
-    tokenizer: ChatTokenizer, conversation: Conversation, what: str
-) -> Example:
+def tokenize_conversation(tokenizer: ChatTokenizer, conversation: Conversation, what: str) -> Example:
     """Tokenize with the base model's chat template; mask = trained assistant tokens.
 
     Raises:

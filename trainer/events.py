@@ -16,9 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-EVENT_TYPES = frozenset(
-    {"start", "phase", "metrics", "eval", "checkpoint", "done", "stopped", "failed"}
-)
+EVENT_TYPES = frozenset({"start", "phase", "metrics", "eval", "checkpoint", "done", "stopped", "failed"})
 PHASES = frozenset({"tokenizing", "training", "evaluating", "saving"})
 
 

@@ -16,32 +16,28 @@ import hashlib
 import io
 import json
 import logging
-import math
 import os
 import random
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from trainer import checkpoint as ckpt
-from trainer import exitcodes
+from trainer import early_signals, exitcodes
 from trainer.catalog import resolve
 from trainer.data import holdout_split, read_conversations, tokenize_all, verify_sha256
 from trainer.errors import CheckpointError, DatasetError, ModelDigestError, TrainerError
 from trainer.events import EventLog
-from trainer.packing import IGNORE, Example, Row, build_row, pack, plan
-from trainer.spec import Hyperparameters, JobSpec, spec_hash, spec_to_json
-
-if TYPE_CHECKING:
-    import torch
+from trainer.model import add_lora, evaluate, load_base_model, lr_lambda, row_loss, trainable_state
+from trainer.packing import Example, Row, build_row, plan
+from trainer.spec import JobSpec, spec_hash
 
 log = logging.getLogger("trainer")
-
-STAGING_FILES = ("adapter_model.safetensors", "adapter_config.json", "eval.json", "metrics.jsonl")
 
 
 # ----------------------------------------------------------------- signals
@@ -62,153 +58,27 @@ class StopFlag:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.received_at: float | None = None
+        # set while nothing is worth saving (setup): SIGTERM then exits at once
+        self.on_cancel: Callable[[], None] | None = None
 
     def install(self) -> None:
-        """Route SIGUSR1 and SIGTERM to the flag."""
+        """Route SIGUSR1 and SIGTERM to the flag (replaying any caught at start-up)."""
         signal.signal(signal.SIGUSR1, self._handle)
         signal.signal(signal.SIGTERM, self._handle)
+        for signum in early_signals.pending():
+            self._handle(signum, None)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum != signal.SIGTERM:  # cancel wins over requeue
             self.signum = signum
             self.received_at = time.monotonic()
+        if signum == signal.SIGTERM and self.on_cancel is not None:
+            self.on_cancel()
 
     def check(self) -> None:
         """Raise :class:`Stop` when a signal arrived."""
         if self.signum is not None:
             raise Stop(self.signum)
-
-
-# ----------------------------------------------------------------- model pieces
-
-
-def load_base_model(path: str | Path) -> Any:
-    """Load a base model in 4-bit NF4 (double quant) on CUDA when present, else CPU.
-
-    Applies the bitsandbytes AVX512-BF16 workaround (see ``disable_cpu_repack``).
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    cuda = torch.cuda.is_available()
-    compute = torch.bfloat16 if cuda else torch.float32
-    quant = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=compute,
-    )
-    model = AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=quant, dtype=compute, device_map={"": 0} if cuda else "cpu"
-    )
-    disable_cpu_repack(model)
-    return model
-
-
-def disable_cpu_repack(model: Any) -> int:
-    """Stop bnb from repacking 4-bit weights for inference on AVX512-BF16 CPUs.
-
-    bnb 0.49-0.50 repacks a ``Linear4bit`` the first time it runs in eval mode
-    without grad and never undoes it; LoRA gradients are silently wrong after
-    any eval pass. Returns the number of layers patched.
-    """
-    import bitsandbytes as bnb
-
-    patched = 0
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            module.support_avx512bf16_for_cpu = False
-            patched += 1
-    return patched
-
-
-def add_lora(model: Any, hp: Hyperparameters) -> Any:
-    """Prepare a k-bit model for training and wrap it with LoRA (seeded init)."""
-    import torch
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-
-    model = prepare_model_for_kbit_training(
-        model,
-        use_gradient_checkpointing=hp.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
-    )
-    torch.manual_seed(hp.seed)
-    config = LoraConfig(
-        r=hp.lora_r,
-        lora_alpha=hp.lora_alpha,
-        lora_dropout=hp.lora_dropout,
-        target_modules=hp.target_modules,
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, config)
-
-
-def row_loss(model: Any, row: Row) -> tuple[torch.Tensor, int, int]:
-    """Forward one packed row; return (summed loss, trained tokens, correct argmax).
-
-    No attention mask and no cache: with per-example ``position_ids`` that makes
-    transformers use a block-diagonal causal mask. Logits are computed only at
-    trained positions (``logits_to_keep``).
-    """
-    import torch
-    import torch.nn.functional as F
-
-    device = next(p.device for p in model.parameters())
-    keep = [i for i, t in enumerate(row.targets) if t != IGNORE]
-    ids = torch.tensor([row.input_ids], device=device)
-    positions = torch.tensor([row.position_ids], device=device)
-    keep_t = torch.tensor(keep, device=device)
-    targets = torch.tensor([row.targets[i] for i in keep], device=device)
-    out = model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=keep_t)
-    logits = out.logits[0].float()
-    loss = F.cross_entropy(logits, targets, reduction="sum")
-    correct = int((logits.detach().argmax(-1) == targets).sum())
-    return loss, len(keep), correct
-
-
-def evaluate(model: Any, examples: list[Example], capacity: int, stop: StopFlag | None = None) -> dict[str, float]:
-    """Token-weighted loss, perplexity and token accuracy over ``examples``."""
-    import torch
-
-    rows = pack([len(e) for e in examples], list(range(len(examples))), capacity)
-    total, tokens, correct = 0.0, 0, 0
-    model.eval()
-    try:
-        with torch.no_grad():
-            for indices in rows:
-                if stop is not None:
-                    stop.check()
-                loss, n, ok = row_loss(model, build_row([examples[i] for i in indices]))
-                total, tokens, correct = total + float(loss), tokens + n, correct + ok
-    finally:
-        model.train()
-    mean = total / max(tokens, 1)
-    return {
-        "loss": mean,
-        "perplexity": math.exp(min(mean, 50.0)),
-        "token_accuracy": correct / max(tokens, 1),
-        "tokens": tokens,
-        "examples": len(examples),
-    }
-
-
-def trainable_state(model: Any) -> dict[str, torch.Tensor]:
-    """Return the trainable (LoRA) parameters by name, detached on CPU."""
-    return {
-        n: p.detach().to("cpu").contiguous() for n, p in model.named_parameters() if p.requires_grad
-    }
-
-
-def lr_lambda(warmup: int, total: int) -> Any:
-    """Linear warmup over ``warmup`` steps, then linear decay to 0 at ``total``."""
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        return max(0.0, (total - step) / max(1, total - warmup))
-
-    return factor
 
 
 # ----------------------------------------------------------------- the recipe
@@ -253,8 +123,30 @@ class Recipe:
         return resolve(ref.catalog_root, ref.name, ref.digest)
 
     def setup(self) -> None:
-        """Verify inputs, tokenize, load the model, build optimizer, resume."""
+        """Verify inputs, tokenize, load the model, build optimizer, resume.
+
+        A SIGTERM during setup exits at once (143): there is nothing to save.
+        """
         self.events.emit("start", spec_hash=self.spec_hash)
+        self.stop.on_cancel = self._cancel_now
+        try:
+            self._setup()
+        finally:
+            self.stop.on_cancel = None
+
+    def _cancel_now(self) -> None:
+        self.events.emit(
+            "stopped",
+            signal="SIGTERM",
+            exit_code=exitcodes.CANCELLED,
+            step=self.progress.step,
+            checkpoint_step=None,
+            during="setup",
+        )
+        log.info("SIGTERM during setup: exit %d", exitcodes.CANCELLED)
+        _exit_now(exitcodes.CANCELLED)
+
+    def _setup(self) -> None:
         model_path = self.verify_inputs()
         self.stop.check()
         self.events.phase("tokenizing")
@@ -267,15 +159,16 @@ class Recipe:
         self.rows = [
             (epoch, row)
             for epoch, rows in enumerate(
-                plan([len(e) for e in self.train_examples], self.hp.batch_size_tokens,
-                     self.hp.seed, self.hp.epochs)
+                plan([len(e) for e in self.train_examples], self.hp.batch_size_tokens, self.hp.seed, self.hp.epochs)
             )
             for row in rows
         ]
         self.total_steps = min(len(self.rows), self.hp.max_steps or len(self.rows))
         log.info(
             "tokenized %d train / %d validation examples, %d steps",
-            len(self.train_examples), len(self.val_examples), self.total_steps,
+            len(self.train_examples),
+            len(self.val_examples),
+            self.total_steps,
         )
         self.model = add_lora(load_base_model(model_path), self.hp)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -288,9 +181,7 @@ class Recipe:
 
     def _load_examples(self) -> tuple[list[Example], list[Example]]:
         max_len = self.hp.max_seq_len
-        train = tokenize_all(
-            self.tokenizer, read_conversations(self.spec.train.path, "train"), max_len, "train"
-        )
+        train = tokenize_all(self.tokenizer, read_conversations(self.spec.train.path, "train"), max_len, "train")
         if self.spec.validation is not None:
             conversations = read_conversations(self.spec.validation.path, "validation")
             return train, tokenize_all(self.tokenizer, conversations, max_len, "validation")
@@ -329,9 +220,7 @@ class Recipe:
             if torch.cuda.is_available() and "rng_cuda" in tensors:
                 torch.cuda.set_rng_state_all(tensors["rng_cuda"])
             random.setstate(_tuples(state["rng_python"]))
-            self.progress = Progress(
-                state["step"], state["elapsed_s"], state["metrics"], state["evals"]
-            )
+            self.progress = Progress(state["step"], state["elapsed_s"], state["metrics"], state["evals"])
             self.last_checkpoint_step = step
             log.info("resumed from checkpoint step %d", step)
             self.events.emit("start", resumed_from_step=step)
@@ -351,22 +240,18 @@ class Recipe:
             epoch, indices = self.rows[progress.step]
             row = build_row([self.train_examples[i] for i in indices])
             t0 = time.monotonic()
-            loss_sum, n, _ = row_loss(self.model, row)
-            loss = loss_sum / max(n, 1)
-            loss.backward()
-            import torch
-
-            torch.nn.utils.clip_grad_norm_(self.params, 1.0)
             lr = self.scheduler.get_last_lr()[0]
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            loss, trained = self.optimizer_step(row)
             progress.step += 1
             dt = time.monotonic() - t0
             progress.elapsed_s = time.monotonic() - started
             metric = {
-                "step": progress.step, "epoch": epoch, "loss": float(loss.detach()), "lr": lr,
-                "tokens": len(row.input_ids), "trained_tokens": n,
+                "step": progress.step,
+                "epoch": epoch,
+                "loss": loss,
+                "lr": lr,
+                "tokens": len(row.input_ids),
+                "trained_tokens": trained,
                 "tokens_per_s": len(row.input_ids) / dt if dt > 0 else None,
                 "elapsed_s": round(progress.elapsed_s, 4),
             }
@@ -374,15 +259,28 @@ class Recipe:
             self.events.emit("metrics", total_steps=self.total_steps, **metric)
             if hp.eval_every_steps and progress.step % hp.eval_every_steps == 0:
                 self._eval("step")
-            if self.stop.signum is not None:
+            if self.stop.signum is not None:  # the only place a signal takes effect mid-training
                 raise Stop(self.stop.signum)
             if progress.step % self.spec.checkpoint_every_steps == 0:
                 self.save_checkpoint()
 
+    def optimizer_step(self, row: Row) -> tuple[float, int]:
+        """One step on one packed row: mean loss over its trained tokens; returns (loss, tokens)."""
+        import torch
+
+        loss_sum, trained, _ = row_loss(self.model, row)
+        loss = loss_sum / max(trained, 1)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach()), trained
+
     def _eval(self, when: str) -> dict[str, Any]:
         self.events.phase("evaluating")
         result = {"when": when, "step": self.progress.step}
-        result.update(evaluate(self.model, self.val_examples, self.hp.batch_size_tokens, self.stop))
+        result.update(evaluate(self.model, self.val_examples, self.hp.batch_size_tokens, self.stop.check))
         self.progress.evals.append(result)
         self.events.emit("eval", **result)
         log.info("eval %s step %d: loss %.4f", when, result["step"], result["loss"])
@@ -410,8 +308,11 @@ class Recipe:
         buffer = io.BytesIO()
         torch.save(tensors, buffer)
         progress = {
-            "spec_hash": self.spec_hash, "step": step, "elapsed_s": self.progress.elapsed_s,
-            "metrics": self.progress.metrics, "evals": self.progress.evals,
+            "spec_hash": self.spec_hash,
+            "step": step,
+            "elapsed_s": self.progress.elapsed_s,
+            "metrics": self.progress.metrics,
+            "evals": self.progress.evals,
             "rng_python": random.getstate(),
         }
         path = ckpt.write_complete_dir(
@@ -442,14 +343,14 @@ class Recipe:
         (self.staging / "README.md").unlink(missing_ok=True)
         before = next(e for e in self.progress.evals if e["when"] == "before")
         evals = {
-            "before": before, "after": after,
+            "before": before,
+            "after": after,
             "during": [e for e in self.progress.evals if e["when"] == "step"],
             "validation": "file" if self.spec.validation else "holdout",
         }
         ckpt.write_durable(self.staging / "eval.json", json.dumps(evals, indent=1).encode())
         metrics = "".join(
-            json.dumps({k: m[k] for k in ("step", "loss", "lr", "tokens_per_s", "elapsed_s", "tokens")})
-            + "\n"
+            json.dumps({k: m[k] for k in ("step", "loss", "lr", "tokens_per_s", "elapsed_s", "tokens")}) + "\n"
             for m in self.progress.metrics
         )
         ckpt.write_durable(self.staging / "metrics.jsonl", metrics.encode())
@@ -463,6 +364,10 @@ class Recipe:
         digest = hashlib.sha256((self.staging / "manifest.json").read_bytes()).hexdigest()
         ckpt.write_durable(self.staging / ckpt.COMPLETE, f"manifest sha256:{digest}\n".encode())
         ckpt.fsync_dir(self.staging)
+        if self.stop.signum == signal.SIGTERM:  # arrived while COMPLETE was being written
+            (self.staging / ckpt.COMPLETE).unlink()
+            ckpt.fsync_dir(self.staging)
+            self.stop.check()
         return self.staging
 
     def _manifest(self) -> dict[str, Any]:
@@ -561,14 +466,12 @@ def _stop(recipe: Recipe, s: Stop) -> int:
     saved = recipe.last_checkpoint_step if recipe.last_checkpoint_step > 0 else None
     waited = time.monotonic() - recipe.stop.received_at if recipe.stop.received_at else None
     recipe.events.emit(
-        "stopped", signal=signal.Signals(s.signum).name, exit_code=s.exit_code,
-        step=recipe.progress.step, checkpoint_step=saved,
+        "stopped",
+        signal=signal.Signals(s.signum).name,
+        exit_code=s.exit_code,
+        step=recipe.progress.step,
+        checkpoint_step=saved,
         signal_to_exit_s=round(waited, 3) if waited is not None else None,
     )
     log.info("%s: stopped at step %d, exit %d", signal.Signals(s.signum).name, recipe.progress.step, s.exit_code)
     return s.exit_code
-
-
-def describe(spec: JobSpec) -> str:
-    """Return the canonical spec JSON (for logs and the manifest)."""
-    return spec_to_json(spec)

@@ -24,7 +24,8 @@ DEFAULT_CATALOG_ROOT = "/srv/slurm-finetune/models"
 
 _SHA256 = r"^[0-9a-f]{64}$"
 _DIGEST = r"^sha256:[0-9a-f]{64}$"
-_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+"""Model names and job ids: one rule for the spec and the catalog."""
 
 
 class _Strict(BaseModel):
@@ -34,7 +35,7 @@ class _Strict(BaseModel):
 class BaseModelRef(_Strict):
     """A base model pinned by catalog name and digest."""
 
-    name: Annotated[str, Field(pattern=_NAME)]
+    name: Annotated[str, Field(pattern=NAME_PATTERN)]
     digest: Annotated[str, Field(pattern=_DIGEST, description="sha256:<64 hex> from the catalog")]
     catalog_root: str = DEFAULT_CATALOG_ROOT
 
@@ -54,7 +55,7 @@ class Hyperparameters(_Strict):
     batch_size_tokens: Annotated[int, Field(ge=16, le=1_048_576)] = 4096
     max_seq_len: Annotated[int, Field(ge=8, le=131_072)] = 2048
     lora_r: Annotated[int, Field(ge=1, le=1024)] = 16
-    lora_alpha: Annotated[float, Field(gt=0.0, le=4096.0)] = 32.0
+    lora_alpha: Annotated[int, Field(ge=1, le=4096)] = 32
     lora_dropout: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.05
     target_modules: Literal["all-linear"] | Annotated[list[str], Field(min_length=1)] = "all-linear"
     warmup_steps: Annotated[int, Field(ge=0, le=1_000_000)] = 10
@@ -85,8 +86,8 @@ class Hyperparameters(_Strict):
 class JobSpec(_Strict):
     """Everything one training job needs; written by the gateway, read by the trainer."""
 
-    version: Literal[1] = SPEC_VERSION
-    job_id: Annotated[str, Field(pattern=_NAME)] | None = None
+    version: Literal[1] = 1
+    job_id: Annotated[str, Field(pattern=NAME_PATTERN)] | None = None
     base_model: BaseModelRef
     train: DatasetRef
     validation: DatasetRef | None = None

@@ -8,12 +8,21 @@ import shutil
 import signal
 import subprocess
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 from trainer_testlib import (
-    Reference, Tiny, ToyData, events, losses, make_spec, run_trainer, start_trainer, wait_for,
+    Reference,
+    Tiny,
+    ToyData,
+    events,
+    losses,
+    make_spec,
+    run_trainer,
+    start_trainer,
+    wait_for,
     write_spec,
 )
 
@@ -42,6 +51,20 @@ def _assert_same_as_reference(staging: Path, reference: Reference) -> None:
 def _steps_since(job_dir: Path, offset: int) -> int:
     metrics = [e["step"] for e in events(job_dir)[offset:] if e["type"] == "metrics"]
     return max(metrics, default=0)
+
+
+def _reached(job_dir: Path, offset: int, target: int) -> bool:
+    return _steps_since(job_dir, offset) >= target
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """True when /proc says the process has a handler for ``signum``."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next(int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(mask >> (signum - 1) & 1)
 
 
 def _tmp_checkpoints(checkpoints: Path) -> list[str]:
@@ -74,7 +97,7 @@ def test_sigkill_at_random_points_then_resume_is_exact(
     total = len(losses(reference.staging))
     rng = random.Random(20261130)
     done = 0
-    for mode in ("step", "checkpoint", "step"):
+    for mode, upper in (("step", total // 3), ("checkpoint", 0), ("step", total - 4)):
         offset = len(events(job_dir))
         proc = start_trainer(spec_path, log)
         if mode == "checkpoint":
@@ -83,8 +106,8 @@ def test_sigkill_at_random_points_then_resume_is_exact(
             assert (checkpoints / caught).is_dir()  # torn write left behind...
             print(f"\nSIGKILL while writing {caught}")
         else:
-            target = rng.randint(done + 2, total - 4)
-            assert wait_for(lambda t=target, o=offset: _steps_since(job_dir, o) >= t, 120)
+            target = rng.randint(done + 2, max(done + 2, upper))
+            assert wait_for(partial(_reached, job_dir, offset, target), 120)
             proc.kill()
             proc.wait()
             print(f"\nSIGKILL at step >= {target}")
@@ -104,6 +127,9 @@ def _signal_run(
     job_dir = tmp_path / "job"
     spec = make_spec(tiny, toy, job_dir)
     spec["checkpoint_every_steps"] = 1000  # the checkpoint must come from the signal
+    if signum == signal.SIGTERM:  # also cover the held-out split and periodic evals
+        spec["validation"] = None
+        spec["hyperparameters"]["eval_every_steps"] = 2
     spec_path = write_spec(spec, tmp_path / "spec.json")
     log = tmp_path / "trainer.log"
     proc = start_trainer(spec_path, log)
@@ -115,8 +141,10 @@ def _signal_run(
     seconds = time.monotonic() - t0
     stopped = next(e for e in events(job_dir) if e["type"] == "stopped")
     name = signal.Signals(signum).name
-    print(f"\n{name}: exit {rc} {seconds:.3f} s after the signal (in-process "
-          f"{stopped['signal_to_exit_s']} s), signal at step {seen}, stopped at {stopped['step']}")
+    print(
+        f"\n{name}: exit {rc} {seconds:.3f} s after the signal (in-process "
+        f"{stopped['signal_to_exit_s']} s), signal at step {seen}, stopped at {stopped['step']}"
+    )
     assert stopped["step"] <= seen + 2  # within one step (plus the poll's lag)
     assert seconds < 3.0
     assert stopped["checkpoint_step"] == stopped["step"]
@@ -134,16 +162,41 @@ def test_sigusr1_checkpoints_exits_75_and_requeue_resumes_exactly(
     _assert_same_as_reference(job_dir / "attempts" / "1" / "staging", reference)
 
 
-def test_sigterm_stops_within_a_step_exits_143_never_complete(
-    tiny: Tiny, toy: ToyData, tmp_path: Path
-) -> None:
+def test_sigterm_stops_within_a_step_exits_143_never_complete(tiny: Tiny, toy: ToyData, tmp_path: Path) -> None:
     job_dir, _, _, rc, _, stopped = _signal_run(tiny, toy, tmp_path, signal.SIGTERM)
     assert rc == exitcodes.CANCELLED == 143
     assert stopped["exit_code"] == 143
-    assert not list(job_dir.rglob("COMPLETE")) or all(
-        "checkpoints" in p.parts for p in job_dir.rglob("COMPLETE")
-    )
+    evals = [e for e in events(job_dir) if e["type"] == "eval"]
+    assert evals[0]["when"] == "before" and evals[1]["when"] == "step" and evals[1]["step"] == 2
+    assert evals[0]["examples"] == 24  # 10 % of 240 held out
+    assert not list(job_dir.rglob("COMPLETE")) or all("checkpoints" in p.parts for p in job_dir.rglob("COMPLETE"))
     assert not (job_dir / "attempts").exists() or not list((job_dir / "attempts").rglob("COMPLETE"))
+
+
+def test_sigterm_during_setup_exits_at_once(tiny: Tiny, toy: ToyData, tmp_path: Path) -> None:
+    job_dir = tmp_path / "job"
+    proc = start_trainer(write_spec(make_spec(tiny, toy, job_dir), tmp_path / "spec.json"), tmp_path / "trainer.log")
+    assert wait_for(lambda: bool(events(job_dir)), 60)  # handlers are installed
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=30)
+    print(f"\nSIGTERM during setup: exit {rc} after {time.monotonic() - t0:.3f} s")
+    assert rc == exitcodes.CANCELLED
+    assert not list(job_dir.rglob("COMPLETE"))
+    assert [e for e in events(job_dir) if e["type"] == "stopped"]
+
+
+def test_sigusr1_while_python_is_still_importing_is_not_lost(tiny: Tiny, toy: ToyData, tmp_path: Path) -> None:
+    job_dir = tmp_path / "job"
+    proc = start_trainer(write_spec(make_spec(tiny, toy, job_dir), tmp_path / "spec.json"), tmp_path / "trainer.log")
+    # the first instant the process catches SIGUSR1 (the kernel's view), imports still running
+    assert wait_for(partial(_catches, proc.pid, signal.SIGUSR1), 30, interval=0.001)
+    early = not events(job_dir)
+    proc.send_signal(signal.SIGUSR1)
+    rc = proc.wait(timeout=60)
+    print(f"\nSIGUSR1 as soon as it is caught (before any event: {early}): exit {rc}")
+    assert rc == exitcodes.REQUEUE  # not 138 (killed by the default action)
+    assert not list(job_dir.glob("checkpoints/step-*"))
 
 
 # ------------------------------------------------------------------ fail fast
@@ -195,3 +248,14 @@ def test_bad_inputs_fail_fast_before_training(
     assert not list(job_dir.glob("checkpoints/step-*"))
     if case != "too_long":
         assert seconds < 15  # refused before loading torch or the model
+
+
+def test_rerunning_a_complete_attempt_changes_nothing(reference: Reference, tmp_path: Path) -> None:
+    staging = reference.staging
+    before = {p.name: p.stat().st_mtime_ns for p in staging.iterdir()}
+    spec_path = write_spec(reference.spec, tmp_path / "spec.json")
+    t0 = time.monotonic()
+    assert run_trainer(spec_path, tmp_path / "log") == exitcodes.OK
+    assert time.monotonic() - t0 < 15  # no model load, no training
+    assert {p.name: p.stat().st_mtime_ns for p in staging.iterdir()} == before
+    assert events(reference.job_dir)[-1].get("already_complete") is True

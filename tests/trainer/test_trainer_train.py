@@ -13,8 +13,15 @@ from trainer_testlib import CANARY, Reference, Tiny, ToyData, losses
 pytestmark = pytest.mark.train
 
 STAGING_LAYOUT = {
-    "COMPLETE", "adapter_config.json", "adapter_model.safetensors", "chat_template.jinja",
-    "eval.json", "manifest.json", "metrics.jsonl", "tokenizer.json", "tokenizer_config.json",
+    "COMPLETE",
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "chat_template.jinja",
+    "eval.json",
+    "manifest.json",
+    "metrics.jsonl",
+    "tokenizer.json",
+    "tokenizer_config.json",
 }
 
 
@@ -30,11 +37,12 @@ def _val_examples(tokenizer_dir: Path, toy: ToyData) -> list[Any]:
 @pytest.fixture(scope="module")
 def lora_model(tiny: Tiny) -> Any:
     """The tiny base in 4-bit with a LoRA adapter (no dropout), in this process."""
-    from trainer.recipe import add_lora, load_base_model
+    from trainer.model import add_lora, load_base_model
     from trainer.spec import Hyperparameters
 
-    hp = Hyperparameters(lora_r=8, lora_alpha=16, lora_dropout=0.0, batch_size_tokens=512,
-                         max_seq_len=256, gradient_checkpointing=False)
+    hp = Hyperparameters(
+        lora_r=8, lora_alpha=16, lora_dropout=0.0, batch_size_tokens=512, max_seq_len=256, gradient_checkpointing=False
+    )
     return add_lora(load_base_model(tiny.path), hp)
 
 
@@ -66,9 +74,13 @@ def _events(job_dir: Path) -> list[dict[str, Any]]:
 
 
 def test_canary_never_reaches_logs_events_or_metrics(reference: Reference) -> None:
-    places = [reference.log, reference.job_dir / "events.jsonl",
-              reference.staging / "metrics.jsonl", reference.staging / "eval.json",
-              reference.staging / "manifest.json"]
+    places = [
+        reference.log,
+        reference.job_dir / "events.jsonl",
+        reference.staging / "metrics.jsonl",
+        reference.staging / "eval.json",
+        reference.staging / "manifest.json",
+    ]
     places += [p for p in (reference.job_dir / "checkpoints").rglob("*.json")]
     for path in places:
         assert CANARY not in path.read_text(errors="replace"), path
@@ -78,7 +90,7 @@ def test_canary_never_reaches_logs_events_or_metrics(reference: Reference) -> No
 def test_saved_adapter_reproduces_final_eval(reference: Reference, tiny: Tiny, toy: ToyData) -> None:
     from peft import PeftModel
 
-    from trainer.recipe import disable_cpu_repack, evaluate, load_base_model
+    from trainer.model import disable_cpu_repack, evaluate, load_base_model
 
     base = load_base_model(tiny.path)
     model = PeftModel.from_pretrained(base, reference.staging)
@@ -93,8 +105,8 @@ def test_saved_adapter_reproduces_final_eval(reference: Reference, tiny: Tiny, t
 def test_packed_loss_equals_unpacked(lora_model: Any, tiny: Tiny, toy: ToyData) -> None:
     import torch
 
-    from trainer.packing import build_row
-    from trainer.recipe import row_loss
+    from trainer.model import row_loss
+    from trainer.packing import Row, build_row
 
     examples = _val_examples(tiny.path, toy)[:6]
     lora_model.eval()
@@ -106,10 +118,17 @@ def test_packed_loss_equals_unpacked(lora_model: Any, tiny: Tiny, toy: ToyData) 
     print(f"\npacked {float(packed) / n_packed:.6f} vs unpacked {total_alone / n_alone:.6f}")
     assert n_packed == n_alone
     assert float(packed) / n_packed == pytest.approx(total_alone / n_alone, rel=1e-5)
+    # control: without per-example positions the examples leak into each other
+    row = build_row(examples)
+    leaky = Row(row.input_ids, list(range(len(row.input_ids))), row.targets)
+    with torch.no_grad():
+        mixed, _, _ = row_loss(lora_model, leaky)
+    print(f"positions not reset: {float(mixed) / n_packed:.6f}")
+    assert abs(float(mixed) - float(packed)) / float(packed) > 1e-3
 
 
 def _lora_grads(model: Any, row: Any) -> dict[str, Any]:
-    from trainer.recipe import row_loss
+    from trainer.model import row_loss
 
     model.train()
     model.zero_grad(set_to_none=True)
@@ -121,13 +140,12 @@ def _lora_grads(model: Any, row: Any) -> dict[str, Any]:
 
 
 def test_lora_gradients_unchanged_by_an_eval_pass(lora_model: Any, tiny: Tiny, toy: ToyData) -> None:
-    import torch
-
-    from trainer.packing import build_row
-    from trainer.recipe import evaluate
-
     import bitsandbytes as bnb
+    import torch
     from bitsandbytes.functional import has_avx512bf16
+
+    from trainer.model import evaluate
+    from trainer.packing import build_row
 
     layers = [m for m in lora_model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert layers and not any(m.support_avx512bf16_for_cpu for m in layers)
@@ -147,3 +165,27 @@ def test_lora_gradients_unchanged_by_an_eval_pass(lora_model: Any, tiny: Tiny, t
     print(f"{len(before)} LoRA gradients, max abs difference after eval: {worst:.3g}")
     for name in before:
         assert torch.allclose(before[name], after[name], rtol=1e-5, atol=1e-7), name
+
+
+@pytest.mark.parametrize("marks", [True, False], ids=["generation-marks", "prefix-fallback"])
+def test_loss_mask_covers_only_weighted_assistant_turns(tiny: Tiny, marks: bool) -> None:
+    from transformers import AutoTokenizer
+
+    from trainer.data import Conversation, has_generation_marks, tokenize_conversation
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny.path)
+    if not marks:
+        tokenizer.chat_template = tokenizer.chat_template.replace("{% generation %}", "").replace(
+            "{% endgeneration %}", ""
+        )
+    assert has_generation_marks(tokenizer) is marks
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "repeat: apple"},
+        {"role": "assistant", "content": "river stone"},  # weight 0: no loss
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": "apple"},
+    ]
+    example = tokenize_conversation(tokenizer, Conversation(7, messages, [0, 1]), "train")
+    trained = str(tokenizer.decode([t for t, m in zip(example.input_ids, example.loss_mask, strict=True) if m]))
+    assert trained.strip() == "apple<|im_end|>"

@@ -150,9 +150,15 @@ def _write(tmp_path: Path, lines: list[str]) -> Path:
 
 
 def test_read_conversations_validates_and_names_the_line(tmp_path: Path) -> None:
-    good = json.dumps({"messages": [{"role": "user", "content": "hi"},
-                                    {"role": "assistant", "content": "yo", "weight": 0},
-                                    {"role": "assistant", "content": "ok"}]})
+    good = json.dumps(
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "yo", "weight": 0},
+                {"role": "assistant", "content": "ok"},
+            ]
+        }
+    )
     bad = json.dumps({"messages": [{"role": "robot", "content": "secret-text-123"}]})
     convs = read_conversations(_write(tmp_path, [good, "", good]), "train")
     assert [c.line for c in convs] == [1, 3] and convs[0].weights == [0, 1]
@@ -249,8 +255,14 @@ def test_attempt_number(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_exit_codes_contract() -> None:
     assert (exitcodes.OK, exitcodes.REQUEUE, exitcodes.CANCELLED) == (0, 75, 143)
-    codes = [exitcodes.OK, exitcodes.INTERNAL, exitcodes.USER_ERROR, exitcodes.MODEL_ERROR,
-             exitcodes.REQUEUE, exitcodes.CANCELLED]
+    codes = [
+        exitcodes.OK,
+        exitcodes.INTERNAL,
+        exitcodes.USER_ERROR,
+        exitcodes.MODEL_ERROR,
+        exitcodes.REQUEUE,
+        exitcodes.CANCELLED,
+    ]
     assert len(set(codes)) == len(codes)
 
 

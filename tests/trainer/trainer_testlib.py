@@ -17,6 +17,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 CANARY = "CANARY-5f2e9d7c-DO-NOT-LOG"
 
+
 @dataclass(frozen=True)
 class Tiny:
     root: Path
@@ -36,8 +37,15 @@ class ToyData:
 def make_spec(tiny: Tiny, toy: ToyData, job_dir: Path, **hyper: Any) -> dict[str, Any]:
     """A small valid spec dict; keyword arguments override hyperparameters."""
     hp = {
-        "epochs": 2, "learning_rate": 1e-2, "batch_size_tokens": 384, "max_seq_len": 256,
-        "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.05, "warmup_steps": 4, "seed": 0,
+        "epochs": 2,
+        "learning_rate": 1e-2,
+        "batch_size_tokens": 384,
+        "max_seq_len": 256,
+        "lora_r": 8,
+        "lora_alpha": 16,
+        "lora_dropout": 0.05,
+        "warmup_steps": 4,
+        "seed": 0,
         "gradient_checkpointing": True,
     }
     hp.update(hyper)
@@ -71,7 +79,10 @@ def start_trainer(spec_path: Path, log: Path, attempt: int | None = None) -> sub
     out = open(log, "ab")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(
         [sys.executable, "-m", "trainer", "run", str(spec_path)],
-        cwd=REPO, env=trainer_env(attempt), stdout=out, stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env=trainer_env(attempt),
+        stdout=out,
+        stderr=subprocess.STDOUT,
     )
 
 
@@ -110,5 +121,3 @@ class Reference:
     log: Path
     rc: int
     seconds: float
-
-
