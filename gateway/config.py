@@ -27,6 +27,23 @@ class Settings(BaseSettings):
     max_seq_len: int = 2048
     default_model: str | None = "tiny-chat"   # tokenizer for upload checks when none is named
     max_reported_errors: int = 100
+    # Jobs: admission control, estimates, cancellation, publication.
+    max_active_jobs_per_tenant: int = 20
+    max_tokens_per_job: int = 200_000_000
+    max_wall_min: int = 3 * 24 * 60
+    throughput_tokens_per_s: float = 1500.0      # conservative; sets --time for backfill
+    job_overhead_s: int = 300                    # model load, eval, save
+    job_cpus: int = 2
+    job_mem_mb: int = 8192
+    signal_grace_s: int = 90
+    cancel_deadline_s: float = 20.0
+    checkpoint_every_steps: int = 50
+    eval_gate: str = "not_worse"                 # not_worse | off
+    eval_gate_tolerance: float = 0.0
+    reconcile_interval_s: float = 2.0
+    reconcile_max_backoff_s: float = 60.0
+    scrub_report_dir: Path = Path("/var/lib/slurm-finetune/scrub")
+    slurm_partition: str | None = None
     # SSH access to a Slurm login node when the gateway runs off-cluster.
     ssh_host: str | None = None
     ssh_user: str = "root"

@@ -98,12 +98,17 @@ class DataFile(SQLModel, table=True):
     validation: dict[str, Any] | None = Field(default=None, sa_type=sa.JSON)
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     deleted_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    # result files live elsewhere than datasets/: their path relative to the tenant dir
+    path: str | None = Field(default=None, max_length=300)
+    job_id: str | None = Field(default=None, max_length=40, index=True)
 
 
 class FineTuningJob(SQLModel, table=True):
-    """A fine-tuning job (the lifecycle columns arrive with the jobs feature)."""
+    """A fine-tuning job. ``status`` changes only through gateway.services.jobs, which
+    applies gateway.jobstate.transition under an optimistic ``version`` check."""
 
     __tablename__ = "fine_tuning_jobs"
+    __table_args__ = (sa.UniqueConstraint("tenant_id", "idempotency_key", name="uq_job_idempotency"),)
 
     id: str = Field(default_factory=lambda: new_id("ftjob"), primary_key=True, max_length=40)
     tenant_id: int = Field(foreign_key="tenants.id", index=True)
@@ -111,4 +116,57 @@ class FineTuningJob(SQLModel, table=True):
     training_file: str = Field(foreign_key="files.id", max_length=40)
     validation_file: str | None = Field(default=None, foreign_key="files.id", max_length=40)
     model: str = Field(max_length=100)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    version: int = Field(default=0)
+    phase: str | None = Field(default=None, max_length=16)
+    model_digest: str | None = Field(default=None, max_length=80)
+    hyperparameters: dict[str, Any] | None = Field(default=None, sa_type=sa.JSON)
+    suffix: str | None = Field(default=None, max_length=64)
+    seed: int | None = None
+    meta: dict[str, Any] | None = Field(default=None, sa_type=sa.JSON)
+    idempotency_key: str | None = Field(default=None, max_length=255)
+    request_hash: str | None = Field(default=None, max_length=64)
+    qos: str | None = Field(default=None, max_length=32)
+    time_limit_min: int | None = None
+    estimated_tokens: int | None = None
+    slurm_job_id: int | None = Field(default=None, index=True)
+    attempt: int = Field(default=0)
+    slurm_state: str | None = Field(default=None, max_length=32)
+    started_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    finished_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    cancel_requested_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    stop_confirmed_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    cleanup: str | None = Field(default=None, max_length=16)       # pending | confirmed | failed
+    error: dict[str, Any] | None = Field(default=None, sa_type=sa.JSON)
+    fine_tuned_model: str | None = Field(default=None, max_length=255, index=True)
+    result_files: list[str] | None = Field(default=None, sa_type=sa.JSON)
+    trained_tokens: int | None = None
+    estimated_finish: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    progress: dict[str, Any] | None = Field(default=None, sa_type=sa.JSON)
+    events_offset: int = Field(default=0)
+
+
+class JobEvent(SQLModel, table=True):
+    """One entry of a job's event list (what /events returns), oldest first by id."""
+
+    __tablename__ = "job_events"
+
+    id: int | None = Field(default=None, primary_key=True)
+    job_id: str = Field(foreign_key="fine_tuning_jobs.id", index=True, max_length=40)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    level: str = Field(default="info", max_length=8)
+    type: str = Field(default="message", max_length=16)       # message | metrics
+    message: str = Field(max_length=1000)
+    data: dict[str, Any] | None = Field(default=None, sa_type=sa.JSON)
+
+
+class JobCheckpoint(SQLModel, table=True):
+    __tablename__ = "job_checkpoints"
+
+    id: str = Field(default_factory=lambda: new_id("ftckpt"), primary_key=True, max_length=40)
+    job_id: str = Field(foreign_key="fine_tuning_jobs.id", index=True, max_length=40)
+    attempt: int = 0
+    step: int
+    path: str = Field(max_length=300)
+    metrics: dict[str, Any] | None = Field(default=None, sa_type=sa.JSON)
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)

@@ -23,16 +23,60 @@ def error_body(message: str, *, type_: str, code: str | None, param: str | None 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def create_app(settings: Settings, *, run_migrations: bool = True) -> FastAPI:
-    """The app, bound to one database (migrated to head unless told not to)."""
-    from gateway.api import files
+def slurm_available(runner: Any) -> bool:
+    """Whether Slurm answers (``scontrol ping``) through this runner."""
+    from gateway.slurm.runner import SlurmError
 
-    app = FastAPI(title="slurm-finetune gateway", version="0.1.0")
+    try:
+        return bool(runner.run(["scontrol", "ping"], timeout=10).returncode == 0)
+    except SlurmError:
+        return False
+
+
+def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bool = True,
+               slurm: Any = None) -> FastAPI:
+    """The app, bound to one database (migrated to head unless told not to).
+
+    With Slurm reachable (or ``slurm`` given: a SlurmClient), jobs are submitted through
+    it and, when ``reconcile`` is set, a reconciler thread runs while the app serves.
+    """
+    from contextlib import asynccontextmanager
+
+    from gateway.api import files, jobs, models
+    from gateway.reconciler import Reconciler
+    from gateway.slurm import SlurmClient, make_runner
+    from gateway.submission import Submitter
+
+    if slurm is None:
+        runner = make_runner(settings)
+        slurm = SlurmClient(runner, timeout=settings.slurm_timeout_s) if slurm_available(runner) else None
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
+        thread = None
+        if app.state.reconciler is not None and reconcile:
+            import threading
+
+            thread = threading.Thread(target=app.state.reconciler.run, name="reconciler", daemon=True)
+            thread.start()
+        yield
+        if thread is not None:
+            app.state.reconciler.stop.set()
+            thread.join(10)
+
+    app = FastAPI(title="slurm-finetune gateway", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.engine = make_engine(settings.database_url)
     if run_migrations:
         migrate(app.state.engine)
+    app.state.slurm = slurm
+    app.state.submitter = Submitter(settings, slurm) if slurm is not None else None
+    app.state.reconciler = Reconciler(app.state.engine, settings, slurm) if slurm is not None else None
+    if slurm is None:
+        log.warning("Slurm does not answer: files work, fine-tuning jobs cannot be submitted")
     app.include_router(files.router)
+    app.include_router(jobs.router)
+    app.include_router(models.router)
 
     @app.exception_handler(ServiceError)
     async def _service_error(_: Request, e: ServiceError) -> JSONResponse:

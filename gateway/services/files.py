@@ -49,6 +49,8 @@ def dataset_dir(settings: Settings, principal: Principal) -> Path:
 
 
 def file_path(settings: Settings, tenant_name: str, row: DataFile) -> Path:
+    if row.path:   # result files: relative to the tenant dir
+        return settings.tenant_dir(tenant_name) / row.path
     return settings.tenant_dir(tenant_name) / "datasets" / f"{row.sha256}.jsonl"
 
 
@@ -71,7 +73,7 @@ def store_upload(*, session: Session, settings: Settings, principal: Principal, 
     """
     tenant_id, tenant_name = _tenant(principal)
     existing = session.exec(select(DataFile).where(
-        DataFile.tenant_id == tenant_id, DataFile.sha256 == sha256,
+        DataFile.tenant_id == tenant_id, DataFile.sha256 == sha256, col(DataFile.path).is_(None),
         col(DataFile.deleted_at).is_(None))).first()
     final = tmp_path.parent / f"{sha256}.jsonl"
     if existing is not None and final.exists():
@@ -137,6 +139,6 @@ def delete_file(*, session: Session, settings: Settings, principal: Principal, f
     _, tenant_name = _tenant(principal)
     still_used = session.exec(select(DataFile.id).where(
         DataFile.tenant_id == row.tenant_id, DataFile.sha256 == row.sha256,
-        col(DataFile.deleted_at).is_(None))).first()
-    if not still_used:
+        col(DataFile.path).is_(None), col(DataFile.deleted_at).is_(None))).first()
+    if row.path or not still_used:
         file_path(settings, tenant_name, row).unlink(missing_ok=True)

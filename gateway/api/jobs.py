@@ -1,0 +1,151 @@
+"""/v1/fine_tuning/jobs: OpenAI-compatible fine-tuning jobs, scoped to the caller's tenant."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Header, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep
+from gateway.jobstate import JobState
+from gateway.models import FineTuningJob, JobCheckpoint, JobEvent
+from gateway.services import ServiceError
+from gateway.services import jobs as svc
+
+router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
+JOB_ID = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class Supervised(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    hyperparameters: dict[str, Any] = Field(default_factory=dict)
+
+
+class Method(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["supervised"] = "supervised"
+    supervised: Supervised | None = None
+
+
+class CreateJob(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: Annotated[str, Field(min_length=1, max_length=100)]
+    training_file: Annotated[str, Field(pattern=JOB_ID)]
+    validation_file: Annotated[str, Field(pattern=JOB_ID)] | None = None
+    hyperparameters: dict[str, Any] | None = None
+    method: Method | None = None
+    suffix: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] | None = None
+    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = \
+        Field(default=None, max_length=16)
+    integrations: list[Any] | None = None
+
+
+def _ts(dt: Any) -> int | None:
+    return int(dt.timestamp()) if dt else None
+
+
+def job_object(job: FineTuningJob, tenant: str) -> dict[str, Any]:
+    """OpenAI's fine_tuning.job plus ours: slurm_job_id, attempt, phase, cleanup, progress."""
+    hp = dict(job.hyperparameters or {})
+    epochs = hp.get("epochs", svc.DEFAULT_EPOCHS)
+    lr = hp.get("learning_rate")
+    openai_hp = {"n_epochs": epochs, "batch_size": "auto",
+                 "learning_rate_multiplier": (lr / svc.BASE_LEARNING_RATE) if lr else "auto"}
+    error = None
+    if job.error:
+        error = {"code": job.error.get("code"), "message": job.error.get("message"),
+                 "param": job.error.get("param")}
+    return {
+        "object": "fine_tuning.job", "id": job.id, "model": job.model,
+        "created_at": _ts(job.created_at), "finished_at": _ts(job.finished_at),
+        "fine_tuned_model": job.fine_tuned_model, "organization_id": tenant,
+        "result_files": job.result_files or [], "status": job.status,
+        "validation_file": job.validation_file, "training_file": job.training_file,
+        "hyperparameters": openai_hp, "trained_tokens": job.trained_tokens, "error": error,
+        "user_provided_suffix": job.suffix, "seed": job.seed if job.seed is not None else hp.get("seed", 0),
+        "estimated_finish": _ts(job.estimated_finish) if job.status in ("queued", "running") else None,
+        "integrations": [], "metadata": job.meta,
+        "method": {"type": "supervised", "supervised": {"hyperparameters": {**openai_hp, **hp}}},
+        # ours
+        "slurm_job_id": job.slurm_job_id, "attempt": job.attempt, "phase": job.phase, "qos": job.qos,
+        "cleanup": job.cleanup, "stop_confirmed": job.stop_confirmed_at is not None,
+        "progress": {k: v for k, v in (job.progress or {}).items() if k not in ("failure", "node")},
+    }
+
+
+def event_object(ev: JobEvent) -> dict[str, Any]:
+    return {"object": "fine_tuning.job.event", "id": f"ftevent-{ev.id}", "created_at": _ts(ev.created_at),
+            "level": ev.level, "message": ev.message, "data": ev.data or {}, "type": ev.type}
+
+
+def checkpoint_object(ck: JobCheckpoint, job: FineTuningJob) -> dict[str, Any]:
+    return {"object": "fine_tuning.job.checkpoint", "id": ck.id, "created_at": _ts(ck.created_at),
+            "fine_tuned_model_checkpoint": f"{job.fine_tuned_model or 'ft:' + job.model}:ckpt-step-{ck.step}",
+            "fine_tuning_job_id": job.id, "step_number": ck.step,
+            "metrics": {k: v for k, v in (ck.metrics or {}).items() if v is not None}}
+
+
+@router.post("")
+def create_job(body: CreateJob, request: Request, session: SessionDep, settings: SettingsDep,
+               principal: PrincipalDep,
+               idempotency_key: Annotated[str | None, Header(max_length=255)] = None) -> dict[str, Any]:
+    """Create a job (admission control, then sbatch as the tenant's unix user)."""
+    hp = dict(body.hyperparameters or {})
+    if body.method and body.method.supervised:
+        hp.update(body.method.supervised.hyperparameters)
+    submitter = request.app.state.submitter
+    if submitter is None:
+        raise ServiceError("this gateway has no Slurm connection: jobs cannot run", code="no_backend")
+    assert principal.tenant_name is not None
+    req = svc.JobRequest(training_file=body.training_file, model=body.model, validation_file=body.validation_file,
+                         hyperparameters=hp, suffix=body.suffix, seed=body.seed, metadata=body.metadata,
+                         idempotency_key=idempotency_key)
+    job = svc.create_job(session=session, settings=settings, principal=principal, req=req, submit=submitter)
+    assert principal.tenant_name is not None
+    return job_object(job, principal.tenant_name)
+
+
+@router.get("")
+def list_jobs(session: SessionDep, principal: PrincipalDep, after: str | None = Query(None, pattern=JOB_ID),
+              limit: int = Query(20, ge=1, le=100)) -> dict[str, Any]:
+    rows, more = svc.list_jobs(session=session, principal=principal, after=after, limit=limit)
+    assert principal.tenant_name is not None
+    return {"object": "list", "data": [job_object(j, principal.tenant_name) for j in rows], "has_more": more}
+
+
+@router.get("/{job_id}")
+def retrieve_job(job_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
+    job = svc.get_job(session=session, principal=principal, job_id=job_id)
+    assert principal.tenant_name is not None
+    return job_object(job, principal.tenant_name)
+
+
+@router.post("/{job_id}/cancel")
+def cancel_job(job_id: str, request: Request, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
+    """``cancelling`` at once; Slurm is told now; ``cancelled`` once Slurm confirms the stop."""
+    job = svc.request_cancel(session=session, principal=principal, job_id=job_id)
+    reconciler = request.app.state.reconciler
+    if reconciler is not None and job.status == JobState.CANCELLING.value:
+        reconciler.start_cancel(job.slurm_job_id)
+    assert principal.tenant_name is not None
+    return job_object(job, principal.tenant_name)
+
+
+@router.get("/{job_id}/events")
+def list_events(job_id: str, session: SessionDep, principal: PrincipalDep,
+                after: str | None = Query(None, pattern=r"^ftevent-\d{1,18}$"),
+                limit: int = Query(20, ge=1, le=1000)) -> dict[str, Any]:
+    cursor = int(after.removeprefix("ftevent-")) if after else None
+    rows, more = svc.list_events(session=session, principal=principal, job_id=job_id, after=cursor, limit=limit)
+    return {"object": "list", "data": [event_object(e) for e in rows], "has_more": more}
+
+
+@router.get("/{job_id}/checkpoints")
+def list_checkpoints(job_id: str, session: SessionDep, principal: PrincipalDep,
+                     limit: int = Query(10, ge=1, le=100)) -> dict[str, Any]:
+    job = svc.get_job(session=session, principal=principal, job_id=job_id)
+    rows = svc.list_checkpoints(session=session, principal=principal, job_id=job_id)[:limit]
+    return {"object": "list", "data": [checkpoint_object(c, job) for c in rows], "has_more": False,
+            "first_id": rows[0].id if rows else None, "last_id": rows[-1].id if rows else None}

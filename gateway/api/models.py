@@ -1,0 +1,79 @@
+"""/v1/models: the base-model catalog and the tenant's fine-tuned models."""
+
+from __future__ import annotations
+
+import shutil
+from datetime import datetime
+from typing import Any
+
+from fastapi import APIRouter
+from sqlmodel import col, select
+
+from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep
+from gateway.models import DataFile, FineTuningJob, utcnow
+from gateway.services import NotFound, ServiceError
+from gateway.services.jobs import _tenant_id, job_dir
+
+router = APIRouter(prefix="/v1/models", tags=["models"])
+
+
+def _catalog(settings: Any) -> list[dict[str, Any]]:
+    from trainer import catalog
+
+    out = []
+    for e in catalog.list_models(settings.models_root):
+        created = int(datetime.fromisoformat(e.added_at).timestamp()) if e.added_at else 0
+        out.append({"id": e.name, "object": "model", "created": created, "owned_by": "system",
+                    "digest": e.digest})
+    return out
+
+
+def _ft_models(session: Any, tenant_id: int, tenant: str) -> list[dict[str, Any]]:
+    rows = session.exec(select(FineTuningJob).where(FineTuningJob.tenant_id == tenant_id,
+                                                    col(FineTuningJob.fine_tuned_model).is_not(None)))
+    return [{"id": j.fine_tuned_model, "object": "model", "created": int(j.finished_at.timestamp())
+             if j.finished_at else 0, "owned_by": tenant, "root": j.model, "job_id": j.id} for j in rows]
+
+
+@router.get("")
+def list_models(session: SessionDep, settings: SettingsDep, principal: PrincipalDep) -> dict[str, Any]:
+    data = _catalog(settings)
+    if principal.tenant_id is not None and principal.tenant_name:
+        data += _ft_models(session, principal.tenant_id, principal.tenant_name)
+    return {"object": "list", "data": data}
+
+
+@router.get("/{model_id:path}")
+def retrieve_model(model_id: str, session: SessionDep, settings: SettingsDep,
+                   principal: PrincipalDep) -> dict[str, Any]:
+    for m in list_models(session, settings, principal)["data"]:
+        if m["id"] == model_id:
+            return m
+    raise NotFound(f"no such model: {model_id}", param="model")
+
+
+@router.delete("/{model_id:path}")
+def delete_model(model_id: str, session: SessionDep, settings: SettingsDep,
+                 principal: PrincipalDep) -> dict[str, Any]:
+    """Delete a fine-tuned model: its adapter, checkpoints and staging leave storage."""
+    tid = _tenant_id(principal)
+    job = session.exec(select(FineTuningJob).where(FineTuningJob.tenant_id == tid,
+                                                   FineTuningJob.fine_tuned_model == model_id)).first()
+    if job is None:
+        if any(m["id"] == model_id for m in _catalog(settings)):
+            raise ServiceError("base models are managed by the administrators", code="forbidden")
+        raise NotFound(f"no such model: {model_id}", param="model")
+    assert principal.tenant_name is not None
+    tdir = settings.tenant_dir(principal.tenant_name)
+    for f in session.exec(select(DataFile).where(DataFile.job_id == job.id, col(DataFile.deleted_at).is_(None))):
+        f.deleted_at = utcnow()
+        session.add(f)
+        if f.path:
+            shutil.rmtree((tdir / f.path).parent, ignore_errors=True)
+    jdir = job_dir(settings, principal.tenant_name, job.id)
+    for sub in ("checkpoints", "attempts"):
+        shutil.rmtree(jdir / sub, ignore_errors=True)
+    job.fine_tuned_model = None
+    job.version += 1
+    session.add(job)
+    return {"id": model_id, "object": "model", "deleted": True}

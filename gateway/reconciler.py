@@ -1,0 +1,328 @@
+"""The reconciler: brings every active job in line with Slurm and the trainer's events.
+
+One cycle = ONE batched Slurm query for all active jobs (``SlurmClient.states``:
+one squeue + at most one sacct), whatever their number; then per job: new trainer
+events (phase, metrics, checkpoints, attempt), the state change Slurm implies,
+publication of a completed attempt, cleanup confirmation from the scrub report.
+A failed Slurm query changes nothing and backs off. All state is in the database,
+so a restarted gateway picks up where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pwd
+import shutil
+import threading
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, col, select
+
+from gateway import publish
+from gateway.config import Settings
+from gateway.jobstate import Event, FailReason, JobState, from_slurm
+from gateway.models import DataFile, FineTuningJob, JobCheckpoint, Tenant, new_id, utcnow
+from gateway.services.jobs import StaleJob, add_event, apply_event, job_dir, update_fields
+from gateway.slurm.client import JobStatus, SlurmClient
+from gateway.slurm.runner import SlurmError
+
+log = logging.getLogger(__name__)
+WATCHED = (JobState.QUEUED, JobState.RUNNING, JobState.PUBLISHING, JobState.CANCELLING)
+PHASES = {"tokenizing": "tokenizing", "training": "training", "evaluating": "evaluating",
+          "saving": "evaluating"}
+
+
+@dataclass
+class CycleStats:
+    jobs: int = 0
+    slurm_calls: int = 0
+    changed: int = 0
+    published: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def fine_tuned_model_name(job: FineTuningJob, tenant: str) -> str:
+    return f"ft:{job.model}:{tenant}:{job.suffix or ''}:{job.id}"
+
+
+class Reconciler:
+    """Owns the Slurm client; ``cycle`` once, or ``run`` in a thread until stopped."""
+
+    def __init__(self, engine: Engine, settings: Settings, client: SlurmClient):
+        self.engine, self.settings, self.client = engine, settings, client
+        self.stop = threading.Event()
+        self._cancelling: set[int] = set()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> None:
+        delay = self.settings.reconcile_interval_s
+        while not self.stop.is_set():
+            try:
+                self.cycle()
+                delay = self.settings.reconcile_interval_s
+            except SlurmError as e:
+                delay = min(self.settings.reconcile_max_backoff_s, max(delay * 2, 1.0))
+                log.warning("Slurm query failed (%s); no job changed; retrying in %.0fs", e, delay)
+            except Exception:
+                delay = min(self.settings.reconcile_max_backoff_s, max(delay * 2, 1.0))
+                log.exception("reconcile cycle failed; retrying in %.0fs", delay)
+            self.stop.wait(delay)
+
+    def cycle(self) -> CycleStats:
+        """One pass over every active job. Raises SlurmError (nothing changed) if Slurm fails."""
+        stats = CycleStats()
+        with Session(self.engine, expire_on_commit=False) as s:
+            jobs = list(s.exec(select(FineTuningJob).where(
+                col(FineTuningJob.status).in_([w.value for w in WATCHED]),
+                col(FineTuningJob.slurm_job_id).is_not(None))))
+            stats.jobs = len(jobs)
+            if jobs:
+                states = self.client.states([j.slurm_job_id for j in jobs if j.slurm_job_id])
+                stats.slurm_calls = 1
+                tenants = {t.id: t for t in s.exec(select(Tenant))}
+                for job in jobs:
+                    assert job.slurm_job_id is not None
+                    try:
+                        if self._one(s, job, tenants[job.tenant_id], states[job.slurm_job_id]):
+                            stats.changed += 1
+                        if job.status == JobState.SUCCEEDED:
+                            stats.published += 1
+                        s.commit()
+                    except StaleJob:
+                        s.rollback()       # someone else changed it: next cycle decides
+                    except Exception as e:
+                        s.rollback()
+                        log.exception("job %s: reconcile step failed", job.id)
+                        stats.errors.append(f"{job.id}: {type(e).__name__}")
+            self._confirm_cleanups(s)
+        return stats
+
+    # ------------------------------------------------------------- per job
+    def _one(self, s: Session, job: FineTuningJob, tenant: Tenant, st: JobStatus) -> bool:
+        before = job.status
+        self._ingest_events(s, job, tenant)
+        node = (st.queue.nodes if st.queue else None) or (st.acct.nodes if st.acct else None)
+        if node and (job.progress or {}).get("node") != node:
+            update_fields(s, job, progress={**(job.progress or {}), "node": node}, slurm_state=st.state)
+        elif st.state and st.state != job.slurm_state:
+            update_fields(s, job, slurm_state=st.state)
+        state = JobState(job.status)
+        exit_code = st.acct.exit[0] if st.acct and st.acct.exit else None
+        view = from_slurm(st.state, exit_code, was_running=state is JobState.RUNNING)
+        if state is JobState.CANCELLING:
+            self._cancelling_step(s, job, st)
+        elif state is JobState.PUBLISHING:
+            self._publish(s, job, tenant)
+        elif view.event is Event.STARTED and state is JobState.QUEUED:
+            apply_event(s, job, Event.STARTED, message=f"Job started on {node or 'a node'}",
+                        started_at=job.started_at or utcnow())
+        elif view.event is Event.REQUEUED and state is JobState.RUNNING:
+            apply_event(s, job, Event.REQUEUED, message="Job requeued by Slurm; it will resume from "
+                        "its last checkpoint")
+        elif view.event is Event.COMPLETED:
+            apply_event(s, job, Event.COMPLETED, message="Training finished; publishing the results")
+            self._publish(s, job, tenant)
+        elif view.event in (Event.ERROR, Event.STOPPED):
+            reason = view.reason or FailReason.INTERNAL
+            message = self._trainer_failure(job, tenant) or view.message or "the job failed"
+            apply_event(s, job, Event.ERROR, level="error", message=f"Job failed: {message}",
+                        error={"code": reason.value, "message": message, "param": None,
+                               "reason": reason.value},
+                        finished_at=utcnow(), stop_confirmed_at=utcnow(), cleanup="pending")
+        return job.status != before
+
+    def _cancelling_step(self, s: Session, job: FineTuningJob, st: JobStatus) -> None:
+        if st.source != "missing" and not st.active:
+            apply_event(s, job, Event.STOPPED, message="Job cancelled: Slurm confirms no process is left",
+                        stop_confirmed_at=utcnow(), finished_at=utcnow(), cleanup="pending")
+            return
+        self.start_cancel(job.slurm_job_id)
+
+    def start_cancel(self, slurm_id: int | None) -> None:
+        """Run ``SlurmClient.cancel`` in a thread, once per Slurm job at a time."""
+        if slurm_id is None:
+            return
+        with self._lock:
+            if slurm_id in self._cancelling:
+                return
+            self._cancelling.add(slurm_id)
+
+        def work() -> None:
+            try:
+                res = self.client.cancel(slurm_id, deadline_s=self.settings.cancel_deadline_s)
+                log.info("Slurm job %s stopped %.2fs after cancel (escalated=%s)", slurm_id, res.seconds,
+                         res.escalated)
+            except SlurmError as e:
+                log.warning("cancel of Slurm job %s: %s", slurm_id, e)
+            finally:
+                with self._lock:
+                    self._cancelling.discard(slurm_id)
+
+        threading.Thread(target=work, name=f"cancel-{slurm_id}", daemon=True).start()
+
+    # -------------------------------------------------------------- events
+    def _ingest_events(self, s: Session, job: FineTuningJob, tenant: Tenant) -> None:
+        path = job_dir(self.settings, tenant.name, job.id) / "events.jsonl"
+        try:
+            with open(path, "rb") as f:
+                f.seek(job.events_offset)
+                data = f.read(4 << 20)
+        except FileNotFoundError:
+            return
+        end = data.rfind(b"\n")
+        if end < 0:
+            return
+        progress = dict(job.progress or {})
+        changes: dict[str, Any] = {}
+        for line in data[:end + 1].splitlines():
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            self._one_event(s, job, ev, progress, changes)
+        changes["progress"] = progress
+        changes["events_offset"] = job.events_offset + end + 1
+        update_fields(s, job, **changes)
+
+    def _one_event(self, s: Session, job: FineTuningJob, ev: dict[str, Any], progress: dict[str, Any],
+                   changes: dict[str, Any]) -> None:
+        kind = ev.get("type")
+        attempt = ev.get("attempt")
+        if isinstance(attempt, int) and attempt > changes.get("attempt", job.attempt):
+            changes["attempt"] = attempt
+            add_event(s, job.id, f"Attempt {attempt} started (requeued run resumes from its checkpoint)")
+        if kind == "phase" and ev.get("phase") in PHASES:
+            changes["phase"] = PHASES[ev["phase"]]
+            add_event(s, job.id, f"Phase: {ev['phase']}", data={"phase": ev["phase"]})
+        elif kind == "metrics":
+            step, total = ev.get("step"), ev.get("total_steps")
+            progress.update({k: ev.get(k) for k in ("step", "total_steps", "loss", "lr", "tokens_per_s",
+                                                    "elapsed_s", "epoch")})
+            if isinstance(ev.get("trained_tokens"), int):
+                changes["trained_tokens"] = ev["trained_tokens"]
+            if isinstance(step, int) and isinstance(total, int) and step > 0 and ev.get("elapsed_s"):
+                left = (total - step) * float(ev["elapsed_s"]) / step
+                changes["estimated_finish"] = utcnow() + timedelta(seconds=left)
+            add_event(s, job.id, f"Step {step}/{total}: training loss={ev.get('loss', 0):.4f}",
+                      type_="metrics", data={"step": step, "total_steps": total,
+                                             "train_loss": ev.get("loss"),
+                                             "tokens_per_s": ev.get("tokens_per_s")})
+        elif kind == "eval":
+            progress.setdefault("evals", []).append(
+                {k: ev.get(k) for k in ("when", "step", "loss", "perplexity", "token_accuracy")})
+            add_event(s, job.id, f"Eval ({ev.get('when')}, step {ev.get('step')}): loss={ev.get('loss', 0):.4f}",
+                      type_="metrics", data={"step": ev.get("step"), "valid_loss": ev.get("loss"),
+                                             "valid_mean_token_accuracy": ev.get("token_accuracy")})
+        elif kind == "checkpoint":
+            s.add(JobCheckpoint(job_id=job.id, attempt=int(ev.get("attempt") or 0), step=int(ev.get("step") or 0),
+                                path=str(ev.get("path", "")),
+                                metrics={"train_loss": progress.get("loss"), "step": ev.get("step")}))
+            add_event(s, job.id, f"Checkpoint saved at step {ev.get('step')}")
+        elif kind == "stopped":
+            add_event(s, job.id, f"Trainer stopped by {ev.get('signal')} at step {ev.get('step')} "
+                      f"(checkpoint {ev.get('checkpoint_step')})")
+        elif kind == "failed":
+            progress["failure"] = {"reason": ev.get("reason"), "message": ev.get("message")}
+
+    def _trainer_failure(self, job: FineTuningJob, tenant: Tenant) -> str | None:
+        failure = (job.progress or {}).get("failure") or {}
+        msg = failure.get("message")
+        return f"{msg}" if msg else None
+
+    # ---------------------------------------------------------- publication
+    def _publish(self, s: Session, job: FineTuningJob, tenant: Tenant) -> None:
+        jdir = job_dir(self.settings, tenant.name, job.id)
+        staging = jdir / "attempts" / str(job.attempt) / "staging"
+        try:
+            publish.verify_staging(staging, attempt=job.attempt, model_digest=job.model_digest)
+            evaluation = json.loads((staging / "eval.json").read_text())
+            refused = publish.eval_gate(evaluation, self.settings.eval_gate, self.settings.eval_gate_tolerance)
+            if refused:
+                raise publish.PublishError(refused)
+        except publish.PublishError as e:
+            apply_event(s, job, Event.ERROR, level="error", message=f"Publication refused: {e}",
+                        error={"code": "publication_refused", "message": str(e), "param": None,
+                               "reason": FailReason.INTERNAL.value},
+                        finished_at=utcnow(), cleanup="pending")
+            return
+        artifacts = self.settings.tenant_dir(tenant.name) / "artifacts"
+        tmp = publish.temp_dir(artifacts, job.id)
+        aid = new_id("art")
+        final = artifacts / aid
+        try:
+            results = publish.build_results(staging, tmp, job.id)
+            rows = []
+            for name, (size, sha) in results.items():
+                row = DataFile(tenant_id=job.tenant_id, filename=f"{job.id}-{name}", purpose="fine-tune-results",
+                               bytes=size, sha256=sha, status="processed", path=f"artifacts/{aid}/{name}",
+                               job_id=job.id)
+                s.add(row)
+                rows.append(row)
+            s.flush()
+            apply_event(s, job, Event.PUBLISHED, message="The job has successfully completed",
+                        fine_tuned_model=fine_tuned_model_name(job, tenant.name),
+                        result_files=[r.id for r in rows], finished_at=utcnow(), cleanup="pending")
+            _own(tmp, tenant.unix_user)
+            os.replace(tmp, final)
+            s.commit()
+        except BaseException:
+            s.rollback()
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(final, ignore_errors=True)
+            raise
+
+    # -------------------------------------------------------------- cleanup
+    def _confirm_cleanups(self, s: Session) -> None:
+        from gateway.scrub import ScrubReportError, read_report, report_path
+
+        pending = list(s.exec(select(FineTuningJob).where(FineTuningJob.cleanup == "pending")))
+        for job in pending:
+            node = (job.progress or {}).get("node")
+            if not node or job.slurm_job_id is None:
+                continue
+            path = report_path(self.settings.scrub_report_dir, node, job.slurm_job_id, "epilog")
+            if not path.exists():
+                continue
+            try:
+                report = read_report(path)
+                ok = report.ok
+            except ScrubReportError:
+                ok = False
+            try:
+                update_fields(s, job, cleanup="confirmed" if ok else "failed")
+                add_event(s, job.id, "Node cleanup confirmed by the epilog" if ok else
+                          "Node cleanup FAILED: the node was drained for an administrator",
+                          level="info" if ok else "warn")
+                s.commit()
+            except StaleJob:
+                s.rollback()
+
+
+def _own(path: Path, unix_user: str | None) -> None:
+    """Hand the published results to the tenant's unix user (root gateways only)."""
+    if os.geteuid() != 0 or not unix_user:
+        return
+    try:
+        pw = pwd.getpwnam(unix_user)
+    except KeyError:
+        return
+    for p in [path, *path.rglob("*")]:
+        os.chown(p, pw.pw_uid, pw.pw_gid)
+    os.chown(path.parent, pw.pw_uid, pw.pw_gid)
+
+
+def pending_submissions(engine: Engine, older_than_s: float = 60) -> list[str]:
+    """Jobs recorded but never handed to Slurm (a crash between commit and sbatch)."""
+    with Session(engine) as s:
+        cutoff = utcnow() - timedelta(seconds=older_than_s)
+        return list(s.exec(select(FineTuningJob.id).where(
+            FineTuningJob.status == JobState.VALIDATING_FILES.value,
+            col(FineTuningJob.slurm_job_id).is_(None), col(FineTuningJob.created_at) < cutoff)))
+

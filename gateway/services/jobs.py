@@ -1,0 +1,388 @@
+"""Fine-tuning jobs: creation with admission control, state changes, cancellation.
+
+Every state change goes through ``apply_event``: ``jobstate.transition`` plus an
+UPDATE guarded by the row's ``version``, so two writers (a cancel and a
+publication, a reconciler and a request) can never both win.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import pwd
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, col, select
+
+from gateway.config import Settings
+from gateway.jobstate import ACTIVE, Event, FailReason, JobState, transition
+from gateway.models import DataFile, FileStatus, FineTuningJob, JobCheckpoint, JobEvent, utcnow
+from gateway.services import Conflict, NotFound, ServiceError
+from gateway.services.files import get_file
+from gateway.services.tokens import Principal
+
+log = logging.getLogger(__name__)
+
+# OpenAI's hyperparameter names → ours; ours are accepted as they are.
+OPENAI_HP = {"n_epochs": "epochs", "learning_rate_multiplier": "learning_rate_multiplier",
+             "batch_size": "batch_size"}
+BASE_LEARNING_RATE = 2e-4
+DEFAULT_EPOCHS = 3
+
+
+class TooManyJobs(ServiceError):
+    status = 429
+    code = "rate_limit_exceeded"
+
+
+class StaleJob(Exception):
+    """The job row changed under us (version mismatch): re-read and decide again."""
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    training_file: str
+    model: str
+    validation_file: str | None = None
+    hyperparameters: dict[str, Any] = field(default_factory=dict)
+    suffix: str | None = None
+    seed: int | None = None
+    metadata: dict[str, str] | None = None
+    idempotency_key: str | None = None
+
+    def digest(self) -> str:
+        body = json.dumps({k: v for k, v in self.__dict__.items() if k != "idempotency_key"},
+                          sort_keys=True, default=str)
+        return hashlib.sha256(body.encode()).hexdigest()
+
+
+# ------------------------------------------------------------------ state changes
+def apply_event(session: Session, job: FineTuningJob, event: Event, *, message: str | None = None,
+                level: str = "info", **changes: Any) -> JobState:
+    """Move ``job`` by ``event`` (IllegalTransition if not allowed), with ``changes``,
+    in the caller's transaction. Raises StaleJob if another writer got there first."""
+    new = transition(JobState(job.status), event)
+    values = {"status": new.value, "version": job.version + 1, **changes}
+    res = session.execute(sa.update(FineTuningJob)
+                          .where(col(FineTuningJob.id) == job.id, col(FineTuningJob.version) == job.version)
+                          .values(**values))
+    if res.rowcount != 1:  # type: ignore[attr-defined]
+        raise StaleJob(job.id)
+    for k, v in values.items():
+        setattr(job, k, v)
+    add_event(session, job.id, message or f"Job {new.value.replace('_', ' ')}", level=level,
+              data={"status": new.value})
+    return new
+
+
+def update_fields(session: Session, job: FineTuningJob, **changes: Any) -> None:
+    """Change non-state fields under the same version guard."""
+    values = {"version": job.version + 1, **changes}
+    res = session.execute(sa.update(FineTuningJob)
+                          .where(col(FineTuningJob.id) == job.id, col(FineTuningJob.version) == job.version)
+                          .values(**values))
+    if res.rowcount != 1:  # type: ignore[attr-defined]
+        raise StaleJob(job.id)
+    for k, v in values.items():
+        setattr(job, k, v)
+
+
+def add_event(session: Session, job_id: str, message: str, *, level: str = "info",
+              type_: str = "message", data: dict[str, Any] | None = None,
+              created_at: datetime | None = None) -> None:
+    session.add(JobEvent(job_id=job_id, message=message[:1000], level=level, type=type_, data=data,
+                         created_at=created_at or utcnow()))
+
+
+# ------------------------------------------------------------------------ reads
+def _tenant_id(principal: Principal) -> int:
+    if principal.tenant_id is None:
+        from gateway.services import Forbidden
+
+        raise Forbidden("this route needs a tenant token (member or tenant admin)")
+    return principal.tenant_id
+
+
+def get_job(*, session: Session, principal: Principal, job_id: str) -> FineTuningJob:
+    """The tenant's job; NotFound for a missing or foreign id alike."""
+    tid = _tenant_id(principal)
+    job = session.get(FineTuningJob, job_id) if len(job_id) <= 40 else None
+    if job is None or job.tenant_id != tid:
+        raise NotFound(f"no such fine-tuning job: {job_id}", param="fine_tuning_job_id")
+    return job
+
+
+def list_jobs(*, session: Session, principal: Principal, after: str | None, limit: int,
+              metadata: dict[str, str] | None = None) -> tuple[list[FineTuningJob], bool]:
+    tid = _tenant_id(principal)
+    q = select(FineTuningJob).where(FineTuningJob.tenant_id == tid)
+    if after:
+        anchor = session.get(FineTuningJob, after)
+        if anchor is None or anchor.tenant_id != tid:
+            raise NotFound(f"no such fine-tuning job: {after}", param="after")
+        q = q.where(sa.or_(col(FineTuningJob.created_at) < anchor.created_at,
+                           sa.and_(col(FineTuningJob.created_at) == anchor.created_at,
+                                   col(FineTuningJob.id) < anchor.id)))
+    q = q.order_by(col(FineTuningJob.created_at).desc(), col(FineTuningJob.id).desc())
+    rows = list(session.exec(q.limit(limit + 1 if not metadata else 100_000)))
+    if metadata:
+        rows = [r for r in rows if all((r.meta or {}).get(k) == v for k, v in metadata.items())]
+    return rows[:limit], len(rows) > limit
+
+
+def list_events(*, session: Session, principal: Principal, job_id: str, after: int | None,
+                limit: int) -> tuple[list[JobEvent], bool]:
+    """Newest first, like OpenAI's list_events."""
+    get_job(session=session, principal=principal, job_id=job_id)
+    q = select(JobEvent).where(JobEvent.job_id == job_id)
+    if after is not None:
+        q = q.where(col(JobEvent.id) < after)
+    rows = list(session.exec(q.order_by(col(JobEvent.id).desc()).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
+
+
+def list_checkpoints(*, session: Session, principal: Principal, job_id: str) -> list[JobCheckpoint]:
+    get_job(session=session, principal=principal, job_id=job_id)
+    q = select(JobCheckpoint).where(JobCheckpoint.job_id == job_id)
+    return list(session.exec(q.order_by(col(JobCheckpoint.step).desc())))
+
+
+# ----------------------------------------------------------------------- create
+def _usable_file(session: Session, principal: Principal, file_id: str, param: str) -> DataFile:
+    try:
+        row = get_file(session=session, principal=principal, file_id=file_id)
+    except NotFound as e:
+        raise NotFound(f"no such file: {file_id}", param=param) from e
+    if row.status != FileStatus.PROCESSED:
+        raise ServiceError(f"file {file_id} has status {row.status!r}: only validated files "
+                           f"(status 'processed') can be used for training ({row.status_details or ''})",
+                           param=param, code="invalid_file")
+    return row
+
+
+def build_hyperparameters(raw: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI-style (n_epochs, learning_rate_multiplier, batch_size) or native names → ours."""
+    hp = {k: v for k, v in raw.items() if v != "auto"}
+    if "n_epochs" in hp:
+        hp["epochs"] = hp.pop("n_epochs")
+    if "learning_rate_multiplier" in hp:
+        mult = hp.pop("learning_rate_multiplier")
+        if not isinstance(mult, int | float) or isinstance(mult, bool) or mult <= 0:
+            raise ServiceError("learning_rate_multiplier must be a positive number",
+                               param="hyperparameters.learning_rate_multiplier")
+        hp["learning_rate"] = BASE_LEARNING_RATE * mult
+    hp.pop("batch_size", None)  # examples per batch: we pack by tokens (batch_size_tokens)
+    return hp
+
+
+def _catalog_entry(settings: Settings, name: str) -> Any:
+    from trainer import catalog
+
+    entries = catalog.list_models(settings.models_root)
+    for e in entries:
+        if e.name == name:
+            return e
+    names = ", ".join(sorted({e.name for e in entries})) or "none registered"
+    raise ServiceError(f"unknown base model {name!r}; available: {names}", param="model",
+                       code="model_not_found")
+
+
+def estimate(settings: Settings, train: DataFile, epochs: int) -> tuple[int, int]:
+    """(training tokens, time limit in minutes) for --time: backfill can place small jobs."""
+    stats = (train.validation or {}).get("stats") or {}
+    tokens = (stats.get("tokens") or {}).get("total") or max(1, train.bytes // 4)
+    training_tokens = int(tokens) * epochs
+    seconds = training_tokens / settings.throughput_tokens_per_s + settings.job_overhead_s
+    return training_tokens, max(5, math.ceil(1.5 * seconds / 60))
+
+
+def pick_qos(allowed: tuple[str, ...], minutes: int) -> str:
+    """The smallest tier that fits the time; tiers the tenant lacks are skipped."""
+    for tier, max_min in (("ft-small", 240), ("ft-standard", 1440), ("ft-large", 4320)):
+        if minutes <= max_min and tier in allowed:
+            return tier
+    if not allowed:
+        raise ServiceError("the tenant has no QOS tier: ask your administrator")
+    return allowed[0]
+
+
+def create_job(*, session: Session, settings: Settings, principal: Principal, req: JobRequest,
+               submit: Any) -> FineTuningJob:
+    """Validate, admit, record and submit a job. ``submit(job, spec, tenant) -> (id, qos)`` runs sbatch.
+
+    The same Idempotency-Key with the same body returns the same job; with another
+    body it is a 409. The row is committed before sbatch, so a crash loses nothing
+    (the reconciler adopts or resubmits it).
+    """
+    tid = _tenant_id(principal)
+    if req.idempotency_key:
+        existing = session.exec(select(FineTuningJob).where(
+            FineTuningJob.tenant_id == tid, FineTuningJob.idempotency_key == req.idempotency_key)).first()
+        if existing is not None:
+            return _same_request(existing, req)
+    train = _usable_file(session, principal, req.training_file, "training_file")
+    val = _usable_file(session, principal, req.validation_file, "validation_file") \
+        if req.validation_file else None
+    entry = _catalog_entry(settings, req.model)
+    hp = build_hyperparameters(req.hyperparameters)
+    if req.seed is not None:
+        hp["seed"] = req.seed
+    epochs = int(hp.get("epochs", DEFAULT_EPOCHS))
+    tokens, minutes = estimate(settings, train, epochs)
+    _admit(session, settings, tid, tokens, minutes)
+    job = FineTuningJob(tenant_id=tid, training_file=train.id, validation_file=val.id if val else None,
+                        model=req.model, model_digest=entry.digest, hyperparameters=hp,
+                        suffix=req.suffix, seed=req.seed, meta=req.metadata,
+                        idempotency_key=req.idempotency_key, request_hash=req.digest(),
+                        estimated_tokens=tokens, time_limit_min=minutes)
+    spec = job_spec(settings, principal, job, train, val, entry)  # validates hp before any row exists
+    try:
+        with session.begin_nested():
+            session.add(job)
+            session.flush()
+    except IntegrityError:
+        existing = session.exec(select(FineTuningJob).where(
+            FineTuningJob.tenant_id == tid, FineTuningJob.idempotency_key == req.idempotency_key)).first()
+        if existing is None:
+            raise
+        return _same_request(existing, req)
+    add_event(session, job.id, f"Created fine-tuning job: {job.id}")
+    session.commit()
+    assert principal.tenant_name is not None
+    submit_job(session=session, job=job, spec=spec, tenant=principal.tenant_name, submit=submit)
+    return job
+
+
+def _same_request(existing: FineTuningJob, req: JobRequest) -> FineTuningJob:
+    if existing.request_hash != req.digest():
+        raise Conflict("this Idempotency-Key was already used with a different request",
+                       code="idempotency_key_reused")
+    return existing
+
+
+def _admit(session: Session, settings: Settings, tid: int, tokens: int, minutes: int) -> None:
+    active = session.exec(select(sa.func.count()).select_from(FineTuningJob).where(
+        FineTuningJob.tenant_id == tid, col(FineTuningJob.status).in_([s.value for s in ACTIVE]))).one()
+    if active >= settings.max_active_jobs_per_tenant:
+        raise TooManyJobs(f"your tenant already has {active} unfinished jobs; the limit is "
+                          f"{settings.max_active_jobs_per_tenant}: wait for some to finish")
+    if tokens > settings.max_tokens_per_job:
+        raise ServiceError(f"the job would train on ~{tokens} tokens; the limit is "
+                           f"{settings.max_tokens_per_job}: use fewer epochs or a smaller file",
+                           code="limit_exceeded")
+    if minutes > settings.max_wall_min:
+        raise ServiceError(f"the job needs an estimated {minutes} minutes; the limit is "
+                           f"{settings.max_wall_min}: use fewer epochs or a smaller file",
+                           code="limit_exceeded")
+
+
+def job_dir(settings: Settings, tenant: str, job_id: str) -> Path:
+    return settings.tenant_dir(tenant) / "jobs" / job_id
+
+
+def job_spec(settings: Settings, principal: Principal, job: FineTuningJob, train: DataFile,
+             val: DataFile | None, entry: Any) -> dict[str, Any]:
+    """The trainer's spec for ``job``; ServiceError naming the field if it is invalid."""
+    from gateway.services.files import file_path
+    from trainer.errors import SpecError
+    from trainer.spec import parse_spec
+
+    assert principal.tenant_name is not None
+    hp = dict(job.hyperparameters or {})
+    top = {k: hp.pop(k) for k in ("checkpoint_every_steps", "keep_checkpoints") if k in hp}
+    spec: dict[str, Any] = {
+        "job_id": job.id,
+        "base_model": {"name": job.model, "digest": entry.digest, "catalog_root": str(settings.models_root)},
+        "train": {"path": str(file_path(settings, principal.tenant_name, train)), "sha256": train.sha256},
+        "validation": ({"path": str(file_path(settings, principal.tenant_name, val)), "sha256": val.sha256}
+                       if val else None),
+        "hyperparameters": hp,
+        "job_dir": str(job_dir(settings, principal.tenant_name, job.id)),
+        "checkpoint_every_steps": top.get("checkpoint_every_steps", settings.checkpoint_every_steps),
+        **({"keep_checkpoints": top["keep_checkpoints"]} if "keep_checkpoints" in top else {}),
+    }
+    try:
+        parse_spec(spec)
+    except SpecError as e:
+        raise ServiceError(f"invalid hyperparameters: {e}", param="hyperparameters") from e
+    return spec
+
+
+def write_spec(settings: Settings, unix_user: str | None, spec: dict[str, Any]) -> Path:
+    """Create the job dir (0700, tenant-owned) and write spec.json atomically."""
+    d = Path(spec["job_dir"])
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    owner = None
+    if os.geteuid() == 0 and unix_user:
+        try:
+            pw = pwd.getpwnam(unix_user)
+            owner = (pw.pw_uid, pw.pw_gid)
+        except KeyError:
+            owner = None
+    if owner:
+        os.chown(d.parent, *owner)
+        os.chown(d, *owner)
+    path, tmp = d / "spec.json", d / ".spec.json.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(spec, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    if owner:
+        os.chown(tmp, *owner)
+    os.replace(tmp, path)
+    return path
+
+
+def submit_job(*, session: Session, job: FineTuningJob, spec: dict[str, Any], tenant: str,
+               submit: Any) -> None:
+    """Run sbatch through ``submit`` and record the outcome (QUEUED, or FAILED with Slurm's words)."""
+    from gateway.slurm.runner import SlurmError
+
+    try:
+        slurm_id, qos = submit(job, spec, tenant)
+    except SlurmError as e:
+        msg = getattr(e, "message", str(e))
+        hint = getattr(e, "hint", "")
+        apply_event(session, job, Event.ERROR, level="error",
+                    message=f"Submission to Slurm failed: {msg}",
+                    error={"code": "submission_failed", "message": f"{msg}{' (' + hint + ')' if hint else ''}",
+                           "param": None, "reason": FailReason.INTERNAL.value},
+                    finished_at=utcnow())
+        session.commit()
+        return
+    apply_event(session, job, Event.SUBMITTED, message=f"Job queued as Slurm job {slurm_id} (QOS {qos})",
+                slurm_job_id=slurm_id, qos=qos)
+    session.commit()
+
+
+# ----------------------------------------------------------------------- cancel
+def request_cancel(*, session: Session, principal: Principal, job_id: str) -> FineTuningJob:
+    """Mark the job cancelling at once (idempotent). Conflict (409) if it already finished."""
+    for _ in range(5):
+        job = get_job(session=session, principal=principal, job_id=job_id)
+        state = JobState(job.status)
+        if state is JobState.CANCELLING:
+            return job
+        if state not in ACTIVE:
+            raise Conflict(f"job {job_id} already {state.value}: nothing to cancel", code="job_finished")
+        try:
+            apply_event(session, job, Event.CANCEL, message="Cancellation requested",
+                        cancel_requested_at=utcnow())
+            if job.slurm_job_id is None:   # never reached Slurm: nothing to stop
+                apply_event(session, job, Event.STOPPED, message="Job cancelled (it never reached Slurm)",
+                            stop_confirmed_at=utcnow(), finished_at=utcnow())
+            session.commit()
+            return job
+        except StaleJob:
+            session.rollback()
+            session.expire_all()
+    raise Conflict(f"job {job_id} is changing state; retry", code="busy")

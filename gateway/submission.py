@@ -1,0 +1,51 @@
+"""Turning a recorded job into an sbatch submission as the tenant's unix user."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gateway.config import Settings
+from gateway.models import FineTuningJob
+from gateway.services.jobs import pick_qos, write_spec
+from gateway.slurm.admin import Admin, unix_user_for
+from gateway.slurm.client import SlurmClient
+from gateway.slurm.render import JobScript
+
+Submit = Callable[[FineTuningJob, dict[str, Any], str], tuple[int, str]]
+
+
+class Submitter:
+    """``submit(job, spec, tenant) -> (slurm job id, qos)``; raises SlurmError with Slurm's text."""
+
+    def __init__(self, settings: Settings, client: SlurmClient, qos_ttl_s: float = 60.0):
+        self.settings, self.client, self.qos_ttl_s = settings, client, qos_ttl_s
+        self._qos: dict[str, tuple[float, tuple[str, ...]]] = {}
+        self._lock = threading.Lock()
+
+    def allowed_qos(self, tenant: str) -> tuple[str, ...]:
+        with self._lock:
+            hit = self._qos.get(tenant)
+            if hit and time.monotonic() - hit[0] < self.qos_ttl_s:
+                return hit[1]
+        admin = Admin(self.client.runner, storage_root=self.settings.storage_root,
+                      parent_account=self.settings.parent_account)
+        allowed = admin.get_tenant(tenant).qos
+        with self._lock:
+            self._qos[tenant] = (time.monotonic(), allowed)
+        return allowed
+
+    def __call__(self, job: FineTuningJob, spec: dict[str, Any], tenant: str) -> tuple[int, str]:
+        user = unix_user_for(tenant)
+        qos = pick_qos(self.allowed_qos(tenant), job.time_limit_min or 60)
+        spec_path = write_spec(self.settings, user, spec)
+        script = JobScript(
+            job_name=job.id, account=tenant, qos=qos, job_dir=spec["job_dir"],
+            command=(str(self.settings.runtime_python), "-m", "trainer", "run", str(spec_path)),
+            gpus=1, cpus=self.settings.job_cpus, mem_mb=self.settings.job_mem_mb,
+            time_limit_min=job.time_limit_min or 60, grace_s=self.settings.signal_grace_s,
+            partition=self.settings.slurm_partition,
+            env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+        return self.client.submit(script, user=user), qos
