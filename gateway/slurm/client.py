@@ -110,11 +110,12 @@ class SlurmClient:
                kill_wait_s: float = 60.0) -> CancelResult:
         """Cancel ``job_id`` within ``deadline_s``: SIGTERM now, SIGKILL once it passes.
 
-        A running job gets SIGTERM on every step, batch script included, while
-        it stays RUNNING: a plain ``scancel`` would leave escalation to Slurm's
-        ``KillWait`` (a CANCELLED job takes no further signals). The batch
-        script then records the job CANCELLED itself; a job that needed SIGKILL
-        ends FAILED (signal 9) in accounting. A pending job is simply
+        A running job's batch script gets SIGUSR2 (the platform's "cancel"), which
+        it turns into SIGTERM for the trainer while the job stays RUNNING: a plain
+        ``scancel`` would leave escalation to Slurm's ``KillWait`` (a CANCELLED job
+        takes no further signals), and a plain SIGTERM could not be told from
+        Slurm's own (requeue, time limit). The batch script then records the job
+        CANCELLED itself; a job that needed SIGKILL ends FAILED (signal 9). A pending job is simply
         cancelled. Returns when Slurm reports no process of the job left, with
         how long that took. Raises SlurmCommandError if even SIGKILL does not
         end it within ``kill_wait_s``.
@@ -123,7 +124,7 @@ class SlurmClient:
         start = time.monotonic()
         status = self.states([job_id])[job_id]
         if status.state in ("RUNNING", "SUSPENDED", "CONFIGURING"):
-            res = self._run(["scancel", "--signal=TERM", "--full", jid])
+            res = self._run(["scancel", "--signal=USR2", "--batch", jid])
             if res.returncode != 0:  # ended or not yet started meanwhile
                 self._run(["scancel", jid])
         elif status.active:
@@ -137,9 +138,9 @@ class SlurmClient:
             elapsed = time.monotonic() - start
             if status.state in ("RUNNING", "CONFIGURING") and not escalated \
                     and time.monotonic() - last_term >= 1.0:
-                # A job still in its prolog drops signals: repeat TERM (harmless to
-                # the trainer, which only sets a flag) until the deadline.
-                self._run(["scancel", "--signal=TERM", "--full", jid])
+                # A job still in its prolog drops signals: repeat the cancel signal
+                # (harmless: the trainer only sets a flag) until the deadline.
+                self._run(["scancel", "--signal=USR2", "--batch", jid])
                 last_term = time.monotonic()
             elif status.state == "PENDING":
                 self._run(["scancel", jid])  # requeued meanwhile: nothing to signal

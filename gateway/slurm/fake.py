@@ -156,7 +156,7 @@ class FakeSlurm:
         signal = self._opt(args, "--signal")
         if j.state == "PENDING":
             self.finish(jid, "CANCELLED")
-        elif signal == "TERM" and j.ignores_term:
+        elif signal in ("TERM", "USR2") and j.ignores_term:
             pass
         elif signal == "KILL":
             self.finish(jid, "FAILED", "0:9")

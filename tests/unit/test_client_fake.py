@@ -80,7 +80,7 @@ def test_cancel_polite_job_needs_no_kill(fake: FakeSlurm) -> None:
     fake.start(jid)
     res = client.cancel(jid, deadline_s=5, poll_s=0.01)
     assert not res.escalated and res.final_state == "CANCELLED"
-    assert ("scancel", "--signal=TERM", "--full", str(jid)) in fake.calls
+    assert ("scancel", "--signal=USR2", "--batch", str(jid)) in fake.calls
 
 
 def test_cancel_escalates_to_kill_after_deadline(fake: FakeSlurm) -> None:
