@@ -275,10 +275,12 @@ def demo() -> None:
 
 
 def _mount_user_commands() -> None:
-    from gateway.usercli import files, login
+    from gateway.usercli import artifacts, files, jobs, login
 
     main.add_command(login)
     main.add_command(files)
+    main.add_command(jobs)
+    main.add_command(artifacts)
 
 
 _mount_user_commands()

@@ -38,6 +38,7 @@ class Settings(BaseSettings):
     signal_grace_s: int = 90
     cancel_deadline_s: float = 20.0
     checkpoint_every_steps: int = 50
+    submission_grace_s: float = 30.0          # a job with no Slurm id after this is recovered
     eval_gate: str = "not_worse"                 # not_worse | off
     eval_gate_tolerance: float = 0.0
     reconcile_interval_s: float = 2.0

@@ -54,8 +54,8 @@ def fine_tuned_model_name(job: FineTuningJob, tenant: str) -> str:
 class Reconciler:
     """Owns the Slurm client; ``cycle`` once, or ``run`` in a thread until stopped."""
 
-    def __init__(self, engine: Engine, settings: Settings, client: SlurmClient):
-        self.engine, self.settings, self.client = engine, settings, client
+    def __init__(self, engine: Engine, settings: Settings, client: SlurmClient, submitter: Any = None):
+        self.engine, self.settings, self.client, self.submitter = engine, settings, client, submitter
         self.stop = threading.Event()
         self._cancelling: set[int] = set()
         self._lock = threading.Lock()
@@ -102,7 +102,46 @@ class Reconciler:
                         log.exception("job %s: reconcile step failed", job.id)
                         stats.errors.append(f"{job.id}: {type(e).__name__}")
             self._confirm_cleanups(s)
+            self._recover_submissions(s)
         return stats
+
+    def _recover_submissions(self, s: Session) -> None:
+        """Jobs recorded but never handed to Slurm (the gateway died between its commit and
+        sbatch): adopt the Slurm job if sbatch did run (found by name), else submit again."""
+        cutoff = utcnow() - timedelta(seconds=self.settings.submission_grace_s)
+        lost = list(s.exec(select(FineTuningJob).where(
+            FineTuningJob.status == JobState.VALIDATING_FILES.value,
+            col(FineTuningJob.slurm_job_id).is_(None), col(FineTuningJob.created_at) < cutoff)))
+        if not lost:
+            return
+        found = self.client.find_by_name([j.id for j in lost])
+        tenants = {t.id: t for t in s.exec(select(Tenant))}
+        for job in lost:
+            tenant = tenants[job.tenant_id]
+            try:
+                if job.id in found:
+                    apply_event(s, job, Event.SUBMITTED, message=f"Recovered: Slurm job {found[job.id]} "
+                                "was submitted before the gateway restarted", slurm_job_id=found[job.id])
+                elif self.submitter is not None and (spec := self._saved_spec(job, tenant)) is not None:
+                    from gateway.services.jobs import submit_job
+
+                    add_event(s, job.id, "Submitting again: the gateway stopped before Slurm had the job")
+                    submit_job(session=s, job=job, spec=spec, tenant=tenant.name, submit=self.submitter)
+                else:
+                    apply_event(s, job, Event.ERROR, level="error", message="Job failed: submission was "
+                                "interrupted; create the job again",
+                                error={"code": "submission_lost", "message": "submission was interrupted",
+                                       "param": None, "reason": FailReason.INTERNAL.value}, finished_at=utcnow())
+                s.commit()
+            except StaleJob:
+                s.rollback()
+
+    def _saved_spec(self, job: FineTuningJob, tenant: Tenant) -> dict[str, Any] | None:
+        try:
+            spec = json.loads((job_dir(self.settings, tenant.name, job.id) / "spec.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return spec if isinstance(spec, dict) else None
 
     # ------------------------------------------------------------- per job
     def _one(self, s: Session, job: FineTuningJob, tenant: Tenant, st: JobStatus) -> bool:
@@ -205,8 +244,10 @@ class Reconciler:
             step, total = ev.get("step"), ev.get("total_steps")
             progress.update({k: ev.get(k) for k in ("step", "total_steps", "loss", "lr", "tokens_per_s",
                                                     "elapsed_s", "epoch")})
-            if isinstance(ev.get("trained_tokens"), int):
-                changes["trained_tokens"] = ev["trained_tokens"]
+            # trained_tokens = tokens of every distinct step (a resumed attempt redoes a few)
+            if isinstance(step, int) and isinstance(ev.get("tokens"), int) and step > progress.get("counted_step", 0):
+                progress["counted_step"] = step
+                changes["trained_tokens"] = changes.get("trained_tokens", job.trained_tokens or 0) + ev["tokens"]
             if isinstance(step, int) and isinstance(total, int) and step > 0 and ev.get("elapsed_s"):
                 left = (total - step) * float(ev["elapsed_s"]) / step
                 changes["estimated_finish"] = utcnow() + timedelta(seconds=left)
@@ -316,13 +357,3 @@ def _own(path: Path, unix_user: str | None) -> None:
     for p in [path, *path.rglob("*")]:
         os.chown(p, pw.pw_uid, pw.pw_gid)
     os.chown(path.parent, pw.pw_uid, pw.pw_gid)
-
-
-def pending_submissions(engine: Engine, older_than_s: float = 60) -> list[str]:
-    """Jobs recorded but never handed to Slurm (a crash between commit and sbatch)."""
-    with Session(engine) as s:
-        cutoff = utcnow() - timedelta(seconds=older_than_s)
-        return list(s.exec(select(FineTuningJob.id).where(
-            FineTuningJob.status == JobState.VALIDATING_FILES.value,
-            col(FineTuningJob.slurm_job_id).is_(None), col(FineTuningJob.created_at) < cutoff)))
-

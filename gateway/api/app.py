@@ -42,7 +42,11 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
     """
     from contextlib import asynccontextmanager
 
+    from fastapi.staticfiles import StaticFiles
+
     from gateway.api import files, jobs, models
+    from gateway.portal import STATIC_DIR, STATIC_URL
+    from gateway.portal import router as portal_router
     from gateway.reconciler import Reconciler
     from gateway.slurm import SlurmClient, make_runner
     from gateway.submission import Submitter
@@ -71,12 +75,15 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
         migrate(app.state.engine)
     app.state.slurm = slurm
     app.state.submitter = Submitter(settings, slurm) if slurm is not None else None
-    app.state.reconciler = Reconciler(app.state.engine, settings, slurm) if slurm is not None else None
+    app.state.reconciler = Reconciler(app.state.engine, settings, slurm, app.state.submitter) \
+        if slurm is not None else None
     if slurm is None:
         log.warning("Slurm does not answer: files work, fine-tuning jobs cannot be submitted")
     app.include_router(files.router)
     app.include_router(jobs.router)
     app.include_router(models.router)
+    app.include_router(portal_router)
+    app.mount(STATIC_URL, StaticFiles(directory=STATIC_DIR), name="portal-static")
 
     @app.exception_handler(ServiceError)
     async def _service_error(_: Request, e: ServiceError) -> JSONResponse:

@@ -71,7 +71,7 @@ def job_object(job: FineTuningJob, tenant: str) -> dict[str, Any]:
         # ours
         "slurm_job_id": job.slurm_job_id, "attempt": job.attempt, "phase": job.phase, "qos": job.qos,
         "cleanup": job.cleanup, "stop_confirmed": job.stop_confirmed_at is not None,
-        "progress": {k: v for k, v in (job.progress or {}).items() if k not in ("failure", "node")},
+        "progress": {k: v for k, v in (job.progress or {}).items() if k not in ("failure", "node", "counted_step")},
     }
 
 

@@ -169,6 +169,24 @@ class SlurmClient:
             return []  # every id already left slurmctld's memory
         return rec.parse_squeue(res.check().stdout)
 
+    def find_by_name(self, names: Iterable[str]) -> dict[str, int]:
+        """Slurm job ids by job name, in ONE squeue call (+ ONE sacct call for the rest).
+
+        Used to adopt a job whose sbatch succeeded but whose id was never recorded."""
+        wanted = sorted(set(names))
+        if not wanted:
+            return {}
+        argv = ["squeue", "--noheader", "--states=all", "--name=" + ",".join(wanted),
+                "--format=" + rec.format_string(rec.SQUEUE_FIELDS)]
+        found = {q.name: q.job_id for q in rec.parse_squeue(self._run(argv).check().stdout)}
+        rest = [n for n in wanted if n not in found]
+        if rest:
+            argv = self._sacct_argv(duplicates=False) + ["--name=" + ",".join(rest),
+                                                         "--starttime=now-7days"]
+            for a in rec.parse_sacct(self._run(argv).check().stdout):
+                found.setdefault(a.name, a.job_id_raw)
+        return found
+
     def accounting(self, job_ids: Iterable[int], *, duplicates: bool = False) -> list[rec.AcctRecord]:
         """sacct job rows for these ids in ONE call (``duplicates``: every requeued run)."""
         ids = sorted({int(j) for j in job_ids})

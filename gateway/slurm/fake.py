@@ -112,7 +112,9 @@ class FakeSlurm:
     def _squeue(self, args: list[str], _: str) -> tuple[int, str, str]:
         fmt = (self._opt(args, "--format") or "").split(DELIM)
         ids = self._ids(args)
-        jobs = [j for j in self.jobs.values() if j.in_queue and (ids is None or j.job_id in ids)]
+        names = self._opt(args, "--name")
+        jobs = [j for j in self.jobs.values() if j.in_queue and (ids is None or j.job_id in ids)
+                and (names is None or j.name in names.split(","))]
         if ids is not None and len(ids) == 1 and not jobs:
             return 1, "", "slurm_load_jobs error: Invalid job id specified\n"
         codes = {
@@ -130,7 +132,9 @@ class FakeSlurm:
         fields = (self._opt(args, "--format") or "").split(",")
         delim = self._opt(args, "--delimiter") or "|"
         ids = self._ids(args)
-        jobs = [j for j in self.jobs.values() if ids is None or j.job_id in ids]
+        names = self._opt(args, "--name")
+        jobs = [j for j in self.jobs.values() if (ids is None or j.job_id in ids)
+                and (names is None or j.name in names.split(","))]
         values = {
             "JobID": lambda j: str(j.job_id), "JobIDRaw": lambda j: str(j.job_id),
             "JobName": lambda j: j.name, "User": lambda j: j.user, "Account": lambda j: j.account,

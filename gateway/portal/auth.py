@@ -1,0 +1,91 @@
+"""Sign-in with an API token, sign-out, and the landing redirects."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Form, Request, Response
+from fastapi.responses import RedirectResponse
+
+from gateway.api.deps import SessionDep
+from gateway.models import ApiToken
+from gateway.portal.session import (
+    COOKIE,
+    LOGIN_COOKIE,
+    LOGIN_S,
+    SESSION_S,
+    NeedLogin,
+    check_csrf,
+    cookie_args,
+    current_user,
+    new_login_cookie,
+    new_session_cookie,
+    portal_key,
+    unsign,
+)
+from gateway.portal.web import PortalRoute, UserDep, render
+from gateway.services.tokens import authenticate
+
+router = APIRouter(route_class=PortalRoute, include_in_schema=False)
+
+
+def safe_next(target: str | None, default: str) -> str:
+    """Only a portal path of this site: never an absolute or scheme-relative URL."""
+    if target and target.startswith("/portal/") and not target.startswith("//") and "\\" not in target:
+        return target
+    return default
+
+
+@router.get("/")
+def root() -> Response:
+    return RedirectResponse("/portal/", status_code=307)
+
+
+@router.get("/portal")
+@router.get("/portal/")
+def home(request: Request, session: SessionDep) -> Response:
+    try:
+        user = current_user(request, session)
+    except NeedLogin:
+        return RedirectResponse("/portal/login", status_code=303)
+    return RedirectResponse("/portal/admin" if user.is_admin else "/portal/jobs", status_code=303)
+
+
+def _login_page(request: Request, *, next_: str, error: str | None = None, status: int = 200) -> Response:
+    value, csrf = new_login_cookie(portal_key(request))
+    resp = render(request, "login.html", status=status, login_csrf=csrf, next=next_, error=error)
+    resp.set_cookie(LOGIN_COOKIE, value, **cookie_args(request, LOGIN_S))
+    return resp
+
+
+@router.get("/portal/login")
+def login_form(request: Request, next: str | None = None) -> Response:
+    return _login_page(request, next_=safe_next(next, ""))
+
+
+@router.post("/portal/login")
+def login(request: Request, session: SessionDep, token: Annotated[str, Form(max_length=200)] = "",
+          csrf: Annotated[str, Form(max_length=100)] = "",
+          next: Annotated[str, Form(max_length=500)] = "") -> Response:
+    key = portal_key(request)
+    pre = unsign(key, request.cookies.get(LOGIN_COOKIE))
+    check_csrf(str(pre["csrf"]) if pre else "", csrf)
+    principal = authenticate(session=session, token=token.strip())
+    row = session.get(ApiToken, principal.token_id) if principal else None
+    if principal is None or row is None:
+        return _login_page(request, next_=safe_next(next, ""), status=401,
+                           error="That token is not valid (mistyped, revoked, or from another gateway). "
+                                 "Ask your tenant administrator for a new one.")
+    default = "/portal/admin" if principal.role.value == "sysadmin" else "/portal/jobs"
+    resp = RedirectResponse(safe_next(next, default), status_code=303)
+    resp.set_cookie(COOKIE, new_session_cookie(key, row), **cookie_args(request, SESSION_S))
+    resp.delete_cookie(LOGIN_COOKIE, path="/portal")
+    return resp
+
+
+@router.post("/portal/logout")
+def logout(request: Request, user: UserDep, csrf: Annotated[str, Form(max_length=100)] = "") -> Response:
+    check_csrf(user.csrf, csrf)
+    resp = RedirectResponse("/portal/login?signed_out=1", status_code=303)
+    resp.delete_cookie(COOKIE, path="/portal")
+    return resp

@@ -1,0 +1,169 @@
+"""Job pages: create (with the estimate shown first), list, live detail, cancel with confirmation."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Form, Query, Request, Response
+from fastapi.responses import JSONResponse, RedirectResponse
+from sqlmodel import Session
+
+from gateway.api.deps import SessionDep, SettingsDep
+from gateway.config import Settings
+from gateway.jobstate import JobState
+from gateway.models import DataFile, FileStatus, FineTuningJob
+from gateway.portal.datasets import DATASETS, catalog_names
+from gateway.portal.jobviews import (
+    ACTIVE_STATES,
+    JobForm,
+    badge,
+    job_events,
+    loss_series,
+    parse_job_form,
+    progress_view,
+)
+from gateway.portal.session import PortalUser, check_csrf
+from gateway.portal.web import PortalRoute, UserDep, env, render
+from gateway.services import NotFound, ServiceError
+from gateway.services import files as files_svc
+from gateway.services import jobs as svc
+
+router = APIRouter(prefix="/portal/jobs", route_class=PortalRoute, include_in_schema=False)
+JOB_ID = r"^[A-Za-z0-9_-]{1,64}$"
+env.globals.update(badge=badge)
+
+
+@router.get("")
+def list_jobs(request: Request, session: SessionDep, user: UserDep,
+              after: str | None = Query(None, pattern=JOB_ID)) -> Response:
+    rows, more = svc.list_jobs(session=session, principal=user.principal, after=after, limit=50)
+    return render(request, "jobs.html", user=user, jobs=rows, more=more,
+                  next_after=rows[-1].id if rows and more else None,
+                  progress={j.id: progress_view(j) for j in rows})
+
+
+def _usable_files(session: Session, user: PortalUser) -> list[DataFile]:
+    rows, _ = files_svc.list_files(session=session, principal=user.principal, purpose=DATASETS)
+    return [r for r in rows if r.status == FileStatus.PROCESSED]
+
+
+def _form_page(request: Request, session: Session, settings: Settings, user: PortalUser, form: JobForm,
+               errors: dict[str, str] | None = None, status: int = 200) -> Response:
+    files = _usable_files(session, user)
+    return render(request, "job_new.html", user=user, form=form, errors=errors or {}, files=files,
+                  models=catalog_names(settings), status=status,
+                  estimate=_estimate(request, session, settings, user, form.training_file, form.epochs_value()),
+                  no_backend=request.app.state.submitter is None)
+
+
+@router.get("/new")
+def new_job(request: Request, session: SessionDep, settings: SettingsDep, user: UserDep,
+            training_file: str | None = Query(None, pattern=JOB_ID)) -> Response:
+    form = JobForm(model=settings.default_model or "", training_file=training_file or "",
+                   idempotency_key=secrets.token_urlsafe(16))
+    if not form.training_file:
+        files = _usable_files(session, user)
+        form.training_file = files[0].id if files else ""
+    return _form_page(request, session, settings, user, form)
+
+
+def _estimate(request: Request, session: Session, settings: Settings, user: PortalUser,
+              file_id: str, epochs: int | None) -> dict[str, Any] | None:
+    """Tokens, minutes and QOS tier the job would get (the same functions admission uses)."""
+    if not file_id or epochs is None:
+        return None
+    try:
+        train = files_svc.get_file(session=session, principal=user.principal, file_id=file_id)
+    except NotFound:
+        return None
+    tokens, minutes = svc.estimate(settings, train, epochs)
+    submitter = request.app.state.submitter
+    qos = None
+    if submitter is not None and user.principal.tenant_name:
+        try:
+            qos = svc.pick_qos(submitter.allowed_qos(user.principal.tenant_name), minutes)
+        except (ServiceError, KeyError):
+            qos = None
+    return {"tokens": tokens, "minutes": minutes, "qos": qos, "epochs": epochs,
+            "over": tokens > settings.max_tokens_per_job or minutes > settings.max_wall_min}
+
+
+@router.get("/estimate")
+def estimate(request: Request, session: SessionDep, settings: SettingsDep, user: UserDep,
+             training_file: str = Query("", max_length=64), epochs: int = Query(3, ge=1, le=100)) -> Response:
+    est = _estimate(request, session, settings, user, training_file, epochs)
+    return JSONResponse({"estimate": est})
+
+
+@router.post("")
+async def create_job(request: Request, session: SessionDep, settings: SettingsDep, user: UserDep) -> Response:
+    raw = {k: v for k, v in (await request.form()).items() if isinstance(v, str)}
+    check_csrf(user.csrf, raw.get("csrf"))
+    form, req, errors = parse_job_form(raw)
+    submitter = request.app.state.submitter
+    if submitter is None:
+        errors["form"] = "This gateway has no connection to Slurm right now: jobs cannot be submitted."
+    if req is None or errors:
+        return _form_page(request, session, settings, user, form, errors, status=400)
+    try:
+        job = svc.create_job(session=session, settings=settings, principal=user.principal, req=req,
+                             submit=submitter)
+    except ServiceError as e:
+        field = (e.param or "form").split(".")[-1]
+        errors[field if field in JobForm.FIELDS else "form"] = e.message
+        session.rollback()
+        return _form_page(request, session, settings, user, form, errors, status=e.status)
+    return RedirectResponse(f"/portal/jobs/{job.id}", status_code=303)
+
+
+def _results(session: Session, user: PortalUser, job: FineTuningJob) -> list[DataFile]:
+    out = []
+    for fid in job.result_files or []:
+        try:
+            out.append(files_svc.get_file(session=session, principal=user.principal, file_id=fid))
+        except NotFound:
+            continue
+    return out
+
+
+def _live_context(session: Session, user: PortalUser, job: FineTuningJob) -> dict[str, Any]:
+    events, _ = svc.list_events(session=session, principal=user.principal, job_id=job.id, after=None, limit=1000)
+    return {"job": job, "events": job_events(events)[:50], "progress": progress_view(job),
+            "checkpoints": svc.list_checkpoints(session=session, principal=user.principal, job_id=job.id),
+            "results": _results(session, user, job), "series": loss_series(events),
+            "can_cancel": job.status in ACTIVE_STATES and job.status != JobState.CANCELLING.value}
+
+
+@router.get("/{job_id}")
+def show_job(job_id: str, request: Request, session: SessionDep, user: UserDep) -> Response:
+    job = svc.get_job(session=session, principal=user.principal, job_id=job_id)
+    return render(request, "job.html", user=user, **_live_context(session, user, job))
+
+
+@router.get("/{job_id}/live")
+def live(job_id: str, request: Request, session: SessionDep, user: UserDep) -> Response:
+    """What the detail page's script polls: the live part as HTML, and the loss series."""
+    job = svc.get_job(session=session, principal=user.principal, job_id=job_id)
+    ctx = _live_context(session, user, job)
+    parts = {name: env.get_template(f"_job_{name}.html").render(request=request, user=user, csrf=user.csrf, **ctx)
+             for name in ("head", "live")}
+    done = job.status not in ACTIVE_STATES and job.cleanup != "pending"
+    return JSONResponse({"status": job.status, **parts, "series": ctx["series"], "done": done})
+
+
+@router.get("/{job_id}/cancel")
+def confirm_cancel(job_id: str, request: Request, session: SessionDep, user: UserDep) -> Response:
+    job = svc.get_job(session=session, principal=user.principal, job_id=job_id)
+    return render(request, "job_cancel.html", user=user, job=job, progress=progress_view(job))
+
+
+@router.post("/{job_id}/cancel")
+def cancel(job_id: str, request: Request, session: SessionDep, user: UserDep,
+           csrf: Annotated[str, Form(max_length=100)] = "") -> Response:
+    check_csrf(user.csrf, csrf)
+    job = svc.request_cancel(session=session, principal=user.principal, job_id=job_id)
+    reconciler = request.app.state.reconciler
+    if reconciler is not None and job.status == JobState.CANCELLING.value:
+        reconciler.start_cancel(job.slurm_job_id)
+    return RedirectResponse(f"/portal/jobs/{job.id}", status_code=303)

@@ -1,0 +1,141 @@
+"""Pure helpers for the job pages: the create form, badges, progress, events and loss series."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+from gateway.jobstate import ACTIVE
+from gateway.models import FineTuningJob, JobEvent
+from gateway.services.jobs import BASE_LEARNING_RATE, DEFAULT_EPOCHS, JobRequest
+
+ACTIVE_STATES = frozenset(s.value for s in ACTIVE)
+BADGES = {"validating_files": "wait", "queued": "wait", "running": "run", "publishing": "run",
+          "cancelling": "warn", "succeeded": "ok", "cancelled": "muted", "failed": "bad"}
+
+
+def badge(status: str | None) -> str:
+    """The CSS modifier of a status badge."""
+    return BADGES.get(status or "", "muted")
+
+
+@dataclass
+class JobForm:
+    """The create form's values as typed (strings), so a refused form comes back as it was sent."""
+
+    model: str = ""
+    training_file: str = ""
+    validation_file: str = ""
+    epochs: str = str(DEFAULT_EPOCHS)
+    learning_rate: str = f"{BASE_LEARNING_RATE:g}"
+    lora_r: str = "16"
+    suffix: str = ""
+    batch_size_tokens: str = ""
+    max_seq_len: str = ""
+    checkpoint_every_steps: str = ""
+    idempotency_key: str = ""
+    FIELDS: ClassVar[frozenset[str]] = frozenset()
+
+    def epochs_value(self) -> int | None:
+        return _int(self.epochs, 1, 100)
+
+
+JobForm.FIELDS = frozenset(f.name for f in fields(JobForm))
+INT_FIELDS = {"epochs": (1, 100), "lora_r": (1, 1024), "batch_size_tokens": (16, 1_048_576),
+              "max_seq_len": (8, 131_072), "checkpoint_every_steps": (1, 1_000_000)}
+OPTIONAL = ("batch_size_tokens", "max_seq_len", "checkpoint_every_steps")
+
+
+def _int(raw: str, lo: int, hi: int) -> int | None:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        return None
+    return value if lo <= value <= hi else None
+
+
+def _float(raw: str) -> float | None:
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        return None
+    return value if 0 < value <= 1 else None
+
+
+def parse_job_form(raw: dict[str, str]) -> tuple[JobForm, JobRequest | None, dict[str, str]]:
+    """(the form as sent, the request or None, field → error message)."""
+    form = JobForm(**{k: raw.get(k, "").strip()[:200] for k in JobForm.FIELDS if k in raw})
+    errors: dict[str, str] = {}
+    hp: dict[str, Any] = {}
+    for name, (lo, hi) in INT_FIELDS.items():
+        text = getattr(form, name)
+        if name in OPTIONAL and not text:
+            continue
+        value = _int(text, lo, hi)
+        if value is None:
+            errors[name] = f"Enter a whole number from {lo:,} to {hi:,}."
+        else:
+            hp[name] = value
+    lr = _float(form.learning_rate)
+    if lr is None:
+        errors["learning_rate"] = "Enter a number above 0 and at most 1, e.g. 0.0002."
+    else:
+        hp["learning_rate"] = lr
+    if not form.model:
+        errors["model"] = "Choose a base model."
+    if not form.training_file:
+        errors["training_file"] = "Choose a training file (upload one on the Datasets page first)."
+    if form.validation_file and form.validation_file == form.training_file:
+        errors["validation_file"] = "Use a different file than the training file, or none."
+    if form.suffix and (len(form.suffix) > 64 or not all(c.isascii() and (c.isalnum() or c in "_.-")
+                                                         for c in form.suffix)):
+        errors["suffix"] = "Up to 64 letters, digits, '.', '_' or '-'."
+    if errors:
+        return form, None, errors
+    req = JobRequest(training_file=form.training_file, model=form.model,
+                     validation_file=form.validation_file or None, hyperparameters=hp,
+                     suffix=form.suffix or None, idempotency_key=form.idempotency_key or None)
+    return form, req, errors
+
+
+def progress_view(job: FineTuningJob) -> dict[str, Any]:
+    """Step, total, percent (or None before training reports), loss, throughput."""
+    p = job.progress or {}
+    step, total = p.get("step"), p.get("total_steps")
+    pct = None
+    if isinstance(step, int) and isinstance(total, int) and total > 0:
+        pct = min(100, round(100 * step / total))
+    if job.status == "succeeded":
+        pct = 100
+    return {"step": step, "total": total, "pct": pct, "loss": p.get("loss"),
+            "tokens_per_s": p.get("tokens_per_s"), "epoch": p.get("epoch")}
+
+
+def job_events(events: list[JobEvent]) -> list[JobEvent]:
+    """Newest first; step-by-step metrics beyond the latest few are left to the chart."""
+    out, metrics = [], 0
+    for ev in events:
+        if ev.type == "metrics" and "train_loss" in (ev.data or {}):
+            metrics += 1
+            if metrics > 3:
+                continue
+        out.append(ev)
+    return out
+
+
+def loss_series(events: list[JobEvent]) -> dict[str, list[list[float]]]:
+    """{"train": [[step, loss], ...], "eval": [...]} in step order, from the job's metric events."""
+    train: dict[int, float] = {}
+    evals: dict[int, float] = {}
+    for ev in events:
+        data = ev.data or {}
+        step = data.get("step")
+        if ev.type != "metrics" or not isinstance(step, int):
+            continue
+        if isinstance(data.get("train_loss"), int | float):
+            train.setdefault(step, float(data["train_loss"]))
+        if isinstance(data.get("valid_loss"), int | float):
+            evals.setdefault(step, float(data["valid_loss"]))
+    return {"train": [[s, v] for s, v in sorted(train.items())],
+            "eval": [[s, v] for s, v in sorted(evals.items())]}
+

@@ -1,0 +1,170 @@
+"""Portal sessions: a signed cookie naming the API token it was opened with, and CSRF tokens.
+
+The cookie holds ``{token id, a prefix of the token's hash, CSRF token, expiry}``
+signed with HMAC-SHA256. The signing key is generated once into a 0600 file in
+the gateway's storage (never a built-in default); every request re-reads the token
+row, so revoking the token ends its portal sessions at once.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request
+from sqlmodel import Session
+
+from gateway.config import Settings
+from gateway.models import ApiToken, Role, Tenant
+from gateway.services import Forbidden, ServiceError
+from gateway.services.tokens import Principal
+
+COOKIE = "sft_portal"
+LOGIN_COOKIE = "sft_portal_login"
+SESSION_S = 12 * 3600
+LOGIN_S = 3600
+CSRF_HEADER = "x-csrf-token"
+CSRF_FIELD = "csrf"
+
+
+class NeedLogin(Exception):
+    """No valid session: the route answers with a redirect to the sign-in page."""
+
+
+class CsrfRefused(Forbidden):
+    code = "csrf_failed"
+
+
+@dataclass(frozen=True)
+class PortalUser:
+    principal: Principal
+    csrf: str
+
+    @property
+    def is_admin(self) -> bool:
+        return self.principal.role is Role.SYSADMIN
+
+    @property
+    def label(self) -> str:
+        p = self.principal
+        return f"{p.tenant_name} ({p.role.value})" if p.tenant_name else p.role.value
+
+
+def secret_path(settings: Settings) -> Path:
+    return settings.storage_root / ".gateway" / "portal-secret"
+
+
+def load_secret(settings: Settings) -> bytes:
+    """The signing key, created on first use (0600, atomically: concurrent gateways agree)."""
+    path = secret_path(settings)
+    try:
+        return _read_key(path)
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path)     # fails if another process won the race: then its key is used
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    return _read_key(path)
+
+
+def _read_key(path: Path) -> bytes:
+    if path.stat().st_mode & 0o077:
+        raise ServiceError(f"{path} is readable by others: chmod 600 it", code="insecure_secret")
+    key = path.read_text().strip()
+    if len(key) < 32:
+        raise ServiceError(f"{path} holds no usable key: delete it to have a new one made",
+                           code="insecure_secret")
+    return key.encode()
+
+
+def sign(key: bytes, payload: dict[str, Any]) -> str:
+    body = base64.urlsafe_b64encode(json.dumps(payload, separators=(",", ":")).encode()).decode().rstrip("=")
+    mac = hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
+    return f"{body}.{mac}"
+
+
+def unsign(key: bytes, value: str | None) -> dict[str, Any] | None:
+    """The payload of a cookie signed with ``key`` and not expired, else None."""
+    if not value or "." not in value or len(value) > 4096:
+        return None
+    body, mac = value.rsplit(".", 1)
+    if not hmac.compare_digest(mac, hmac.new(key, body.encode(), hashlib.sha256).hexdigest()):
+        return None
+    try:
+        payload = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+    except ValueError:
+        return None
+    if not isinstance(payload, dict) or not isinstance(payload.get("exp"), int) or payload["exp"] < time.time():
+        return None
+    return payload
+
+
+def new_session_cookie(key: bytes, token: ApiToken) -> str:
+    return sign(key, {"tid": token.id, "th": token.token_hash[:16], "csrf": secrets.token_urlsafe(24),
+                      "exp": int(time.time()) + SESSION_S})
+
+
+def new_login_cookie(key: bytes) -> tuple[str, str]:
+    """(cookie value, CSRF token) for the sign-in form, before any session exists."""
+    csrf = secrets.token_urlsafe(24)
+    return sign(key, {"csrf": csrf, "exp": int(time.time()) + LOGIN_S}), csrf
+
+
+def principal_for(session: Session, payload: dict[str, Any]) -> Principal | None:
+    """The principal of a session payload; None once its token is revoked or unknown."""
+    tid = payload.get("tid")
+    row = session.get(ApiToken, tid) if isinstance(tid, int) else None
+    if row is None or row.id is None or row.revoked_at is not None \
+            or not hmac.compare_digest(row.token_hash[:16], str(payload.get("th", ""))):
+        return None
+    tenant = session.get(Tenant, row.tenant_id) if row.tenant_id is not None else None
+    return Principal(row.id, Role(row.role), row.tenant_id, tenant.name if tenant else None,
+                     tenant.unix_user if tenant else None)
+
+
+def current_user(request: Request, session: Session) -> PortalUser:
+    """The signed-in user of this request. Raises NeedLogin."""
+    key = portal_key(request)
+    payload = unsign(key, request.cookies.get(COOKIE))
+    principal = principal_for(session, payload) if payload else None
+    if payload is None or principal is None:
+        raise NeedLogin()
+    return PortalUser(principal, str(payload["csrf"]))
+
+
+def check_csrf(expected: str, given: str | None) -> None:
+    """Raises CsrfRefused (403) unless ``given`` is this session's CSRF token."""
+    if not given or not hmac.compare_digest(expected.encode(), given.encode()):
+        raise CsrfRefused("the form's security token is missing or stale: reload the page and try again")
+
+
+def portal_key(request: Request) -> bytes:
+    state = request.app.state
+    key = getattr(state, "portal_key", None)
+    if key is None:
+        key = load_secret(state.settings)
+        state.portal_key = key
+    return key  # type: ignore[no-any-return]
+
+
+def cookie_args(request: Request, max_age: int) -> dict[str, Any]:
+    return {"max_age": max_age, "httponly": True, "samesite": "strict", "path": "/portal",
+            "secure": request.url.scheme == "https"}
