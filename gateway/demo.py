@@ -1,152 +1,177 @@
-"""`finetune demo`: the end-to-end walk-through on the one-host dev cluster.
+"""`finetune demo`: the README's main job, end to end through the gateway.
 
-Brings the cluster up, onboards a tenant, registers the tiny base model, puts a
-chat dataset in the tenant's private storage, submits a QLoRA job through the
-Slurm client as the tenant's unix user, follows its progress events, and prints
-the evaluation and Slurm's accounting record. Later issues route the same steps
-through the HTTP API.
+On this host (root) it brings the one-host Slurm cluster up, onboards tenant
+``demo`` (unix user, Slurm account + QOS, private storage, DB row, API token),
+registers the tiny base model, starts the gateway (SQLite) with its reconciler,
+uploads a chat dataset through the HTTP API, creates a fine-tuning job, follows it
+live, downloads the adapter, shows eval before/after and a sample generation from
+the fine-tuned model, and prints where everything is.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
+import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
+
+import httpx
 
 from gateway.config import Settings
-from gateway.slurm import JobScript, LocalRunner, SlurmClient
-from gateway.slurm.admin import Admin, unix_user_for
-from gateway.slurm.devcluster import DevCluster
 
 TENANT = "demo"
 MODEL = "tiny-chat"
+PROMPT = "reverse: alpha mirror pencil"
 
 
-def _chown_tree(path: Path, user: str) -> None:
-    shutil.chown(path, user, user)
-    for p in path.rglob("*"):
-        shutil.chown(p, user, user)
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
-def _register_tiny_model(root: Path, echo: Callable[[str], None]) -> tuple[str, str]:
+def _register_tiny_model(root: Path, echo: Callable[[str], None]) -> str:
     from trainer import catalog
 
     for entry in catalog.list_models(root):
         if entry.name == MODEL:
-            return entry.name, entry.digest
-    echo(f"building the tiny base model offline and registering it as {MODEL!r} ...")
+            return entry.digest
+    echo(f"      building the tiny base model offline and registering it as {MODEL!r}")
     with tempfile.TemporaryDirectory() as tmp:
-        entry = catalog.add(catalog.make_tiny(Path(tmp) / "tiny"), MODEL, root)
-    return entry.name, entry.digest
+        return catalog.add(catalog.make_tiny(Path(tmp) / "tiny"), MODEL, root).digest
 
 
-def _write_dataset(directory: Path, rows: list[dict], user: str) -> tuple[Path, str]:
-    data = "".join(json.dumps(r) + "\n" for r in rows).encode()
-    sha = hashlib.sha256(data).hexdigest()
-    directory.mkdir(mode=0o700, exist_ok=True)
-    path = directory / f"{sha}.jsonl"
-    if not path.exists():
-        tmp = directory / f".{sha}.tmp"
-        tmp.write_bytes(data)
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    _chown_tree(directory, user)
-    return path, sha
+def _start_gateway(settings: Settings) -> tuple[str, Any]:
+    import uvicorn
+
+    from gateway.api.app import create_app
+
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    threading.Thread(target=server.run, name="gateway", daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                return url, server
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise RuntimeError("the gateway did not start")
+
+
+def _sample_generation(model_dir: Path, adapter_dir: Path) -> tuple[str, str]:
+    """Greedy replies to PROMPT from the base model and from base + adapter."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    ids: Any = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                       return_tensors="pt", return_dict=True)
+
+    def reply(model: Any) -> str:
+        with torch.no_grad():
+            out = model.generate(**ids, max_new_tokens=12, do_sample=False,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        return str(tok.decode(out[0][ids["input_ids"].shape[1]:], skip_special_tokens=True)).strip()
+
+    before = reply(base)
+    tuned = PeftModel.from_pretrained(base, adapter_dir)
+    return before, reply(tuned)
 
 
 def run_demo(settings: Settings, echo: Callable[[str], None] = print) -> int:
-    """Run the walk-through; return 0 when the job succeeded with a lower eval loss."""
-    from trainer.events import read_events
-    from trainer.spec import BaseModelRef, DatasetRef, Hyperparameters, JobSpec
+    """Run the walk-through; return 0 when the job succeeded and its adapter loads."""
+    from gateway.db import make_engine, migrate, session_scope
+    from gateway.models import Role
+    from gateway.services.tenants import ensure_tenant
+    from gateway.services.tokens import create_token
+    from gateway.slurm import LocalRunner
+    from gateway.slurm.admin import Admin
+    from gateway.slurm.devcluster import DevCluster
+    from gateway.usercli import extract_adapter, progress_line
+    from trainer import catalog
     from trainer.toydata import toy_conversations
 
+    t_start = time.monotonic()
+    out = Path(os.getcwd()) / "demo-output"
+    settings = settings.model_copy(update={"reconcile_interval_s": 1.0})
     seconds = DevCluster(echo=echo).up()
-    echo(f"[1/6] dev cluster up in {seconds:.1f}s")
-    runner = LocalRunner()
-    admin = Admin(runner, storage_root=settings.storage_root,
-                  parent_account=settings.parent_account)
-    tenant = admin.add_tenant(TENANT, shares=10, qos=["ft-small", "ft-standard"])
-    user = unix_user_for(TENANT)
-    echo(f"[2/6] tenant {tenant.name}: unix user {user}, Slurm account {tenant.name}, "
-         f"QOS {','.join(tenant.qos)}, storage {tenant.storage} (0700)")
-
-    models_root = settings.storage_root / "models"
-    name, digest = _register_tiny_model(models_root, echo)
-    echo(f"[3/6] base model {name} pinned at {digest[:19]}...")
-
-    conversations = toy_conversations(400, seed=1)
-    train, train_sha = _write_dataset(tenant.storage / "datasets", conversations[:360], user)
-    val, val_sha = _write_dataset(tenant.storage / "datasets", conversations[360:], user)
-    echo(f"[4/6] datasets in tenant storage: train {train_sha[:12]} (360 chats), "
-         f"validation {val_sha[:12]} (40 chats)")
-
-    job_id = "ftjob-demo-" + datetime.now(UTC).strftime("%Y%m%d%H%M%S")
-    job_dir = tenant.storage / "jobs" / job_id
-    job_dir.mkdir(parents=True, mode=0o700)
-    spec = JobSpec(
-        job_id=job_id, job_dir=str(job_dir),
-        base_model=BaseModelRef(name=name, digest=digest, catalog_root=str(models_root)),
-        train=DatasetRef(path=str(train), sha256=train_sha),
-        validation=DatasetRef(path=str(val), sha256=val_sha),
-        hyperparameters=Hyperparameters(epochs=3, learning_rate=3e-3, batch_size_tokens=1024,
-                                        max_seq_len=256, lora_r=8, lora_alpha=16,
-                                        warmup_steps=5, seed=0),
-        checkpoint_every_steps=20,
-    )
-    spec_path = job_dir / "spec.json"
-    spec_path.write_text(spec.model_dump_json(indent=1))
-    _chown_tree(tenant.storage / "jobs", user)
-
-    client = SlurmClient(runner)
-    slurm_id = client.submit(JobScript(
-        job_name=job_id, account=TENANT, qos="ft-small", job_dir=str(job_dir),
-        command=(str(settings.runtime_python), "-m", "trainer", "run", str(spec_path)),
-        gpus=1, cpus=2, mem_mb=4096, time_limit_min=30,
-        env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}), user=user)
-    echo(f"[5/6] submitted {job_id} as Slurm job {slurm_id} (user {user}, account {TENANT}, "
-         "QOS ft-small, gres/gpu=1)")
-
-    seen = 0
-    state = None
-    while True:
-        status = client.states([slurm_id])[slurm_id]
-        if status.state != state:
-            state = status.state
-            echo(f"      slurm: {state}" + (f" ({status.reason})" if status.reason else ""))
-        events_file = job_dir / "events.jsonl"
-        events = read_events(events_file) if events_file.exists() else []
-        for ev in events[seen:]:
-            if ev.get("type") == "phase":
-                echo(f"      phase: {ev.get('phase')}")
-            elif ev.get("type") == "metrics" and (ev.get("step", 0) % 10 == 0
-                                                  or ev.get("step") == ev.get("total_steps")):
-                echo(f"      step {ev.get('step')}/{ev.get('total_steps')} "
-                     f"loss {ev.get('loss', float('nan')):.3f}")
-            elif ev.get("type") in ("checkpoint", "done", "failed", "stopped"):
-                echo(f"      {ev.get('type')}: " + json.dumps(
-                    {k: v for k, v in ev.items() if k not in ("type", "ts", "time")}))
-        seen = len(events)
-        if not status.active:
-            break
-        time.sleep(1)
-
-    staging = sorted(job_dir.glob("attempts/*/staging"))
-    complete = [s for s in staging if (s / "COMPLETE").exists()]
-    acct = client.accounting([slurm_id])
-    if acct:
-        a = acct[0]
-        echo(f"      sacct: {a.state} exit {a.exit} account={a.account} qos={a.qos} "
-             f"user={a.user} gpus={a.gpus} elapsed={a.elapsed_s}s")
-    if state != "COMPLETED" or not complete:
-        echo(f"[6/6] FAILED: Slurm says {state}; see {job_dir}/slurm-{slurm_id}.out")
+    echo(f"[1/7] Slurm dev cluster up in {seconds:.1f}s (slurmctld, slurmdbd on MariaDB, 2 x slurmd, 8 fake GPUs)")
+    tenant = Admin(LocalRunner(), storage_root=settings.storage_root,
+                   parent_account=settings.parent_account).add_tenant(TENANT, shares=10,
+                                                                       qos=["ft-small", "ft-standard"])
+    engine = make_engine(settings.database_url)
+    migrate(engine)
+    with session_scope(engine) as s:
+        token, _ = create_token(session=s, role=Role.MEMBER, tenant=ensure_tenant(session=s, name=TENANT),
+                                name="demo")
+    echo(f"[2/7] tenant {TENANT}: unix user {tenant.unix_user}, Slurm account {TENANT} "
+         f"(QOS {','.join(tenant.qos)}), storage {tenant.storage} (0700), API token minted")
+    digest = _register_tiny_model(settings.models_root, echo)
+    url, server = _start_gateway(settings)
+    echo(f"[3/7] gateway on {url} (database {settings.database_url}); base model {MODEL} pinned at {digest[:19]}...")
+    headers = {"Authorization": f"Bearer {token}"}
+    client = httpx.Client(base_url=url, headers=headers, timeout=120)
+    out.mkdir(exist_ok=True)
+    data = out / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in toy_conversations(240, seed=1)))
+    with open(data, "rb") as f:
+        fobj = client.post("/v1/files", data={"purpose": "fine-tune"}, files={"file": (data.name, f)}).json()
+    stats = fobj["validation"]["stats"]
+    echo(f"[4/7] uploaded {data.name}: {fobj['status']}, {stats['examples']} examples, "
+         f"{stats['tokens']['total']} tokens (p95 {stats['tokens']['p95']}) -> {fobj['id']}")
+    job = client.post("/v1/fine_tuning/jobs", json={
+        "model": MODEL, "training_file": fobj["id"], "suffix": "demo",
+        "hyperparameters": {"n_epochs": 3, "learning_rate_multiplier": 15, "batch_size_tokens": 1024,
+                            "max_seq_len": 256, "checkpoint_every_steps": 10}}).json()
+    if "error" in job and "id" not in job:
+        echo(f"job creation failed: {job['error']['message']}")
         return 1
-    evaluation = json.loads((complete[-1] / "eval.json").read_text())
-    echo(f"[6/6] adapter published in {complete[-1]}")
-    echo("      eval: " + json.dumps(evaluation))
+    echo(f"[5/7] job {job['id']} -> Slurm job {job['slurm_job_id']} as {tenant.unix_user} "
+         f"(account {TENANT}, QOS {job['qos']}, gres/gpu=1, --time from the estimate)")
+    last = ""
+    while job["status"] not in ("succeeded", "failed", "cancelled"):
+        time.sleep(1)
+        job = client.get(f"/v1/fine_tuning/jobs/{job['id']}").json()
+        line = progress_line(job)
+        if line != last:
+            echo(f"      {line}")
+            last = line
+    if job["status"] != "succeeded":
+        echo(f"[6/7] FAILED: {job['status']}: {(job.get('error') or {}).get('message')}")
+        server.should_exit = True
+        return 1
+    files: dict[str, Path] = {}
+    for fid in job["result_files"]:
+        meta = client.get(f"/v1/files/{fid}").json()
+        name = meta["filename"].removeprefix(f"{job['id']}-")
+        files[name] = out / name
+        files[name].write_bytes(client.get(f"/v1/files/{fid}/content").content)
+    adapter = extract_adapter(files["adapter.tar"], out / "adapter")
+    evaluation = json.loads(files["eval.json"].read_text())
+    b, a = evaluation["before"], evaluation["after"]
+    echo(f"[6/7] {job['fine_tuned_model']} succeeded: {job['trained_tokens']} tokens trained")
+    echo(f"      eval loss {b['loss']:.3f} -> {a['loss']:.3f}, perplexity {b['perplexity']:.0f} -> "
+         f"{a['perplexity']:.1f}, token accuracy {b['token_accuracy']:.2f} -> {a['token_accuracy']:.2f}")
+    entry = next(e for e in catalog.list_models(settings.models_root) if e.name == MODEL)
+    before, after = _sample_generation(settings.models_root / entry.path, adapter)
+    echo(f"      sample: user {PROMPT!r}\n        base model:       {before!r}\n        fine-tuned model: {after!r}")
+    deadline = time.monotonic() + 30
+    while job["cleanup"] != "confirmed" and time.monotonic() < deadline:
+        time.sleep(1)
+        job = client.get(f"/v1/fine_tuning/jobs/{job['id']}").json()
+    server.should_exit = True
+    echo(f"[7/7] done in {time.monotonic() - t_start:.0f}s; node cleanup: {job['cleanup']}")
+    echo(f"      adapter (PEFT):   {adapter}\n      results:          {out}\n"
+         f"      job dir (tenant): {settings.tenant_dir(TENANT) / 'jobs' / job['id']}\n"
+         f"      gateway DB:       {settings.database_url}\n"
+         f"      try:  SFT_API_URL=<url> SFT_API_TOKEN=<token> finetune jobs list")
     return 0
