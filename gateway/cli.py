@@ -254,15 +254,60 @@ def admin_nodes(as_json: bool, last: int, report_dir: Path | None) -> None:
 @main.command("serve")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--workers", default=1, show_default=True, type=click.IntRange(1, 64),
+              help="API processes; with more than one, this process runs the single reconciler.")
 @click.option("--log-level", default="info", show_default=True)
 @friendly_errors
-def serve(host: str, port: int, log_level: str) -> None:
-    """Serve the HTTP API (settings from SFT_* environment variables)."""
+def serve(host: str, port: int, workers: int, log_level: str) -> None:
+    """Serve the HTTP API and portal (settings from SFT_* environment variables)."""
     import uvicorn
 
     from gateway.api.app import create_app
 
-    uvicorn.run(create_app(get_settings()), host=host, port=port, log_level=log_level)
+    settings = get_settings()
+    if workers == 1:
+        uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
+        return
+    reconciler = _reconciler(settings)
+    if reconciler is not None:
+        import threading
+
+        threading.Thread(target=reconciler.run, name="reconciler", daemon=True).start()
+    uvicorn.run("gateway.api.app:worker_app", factory=True, host=host, port=port, workers=workers,
+                log_level=log_level)
+
+
+def _reconciler(settings):  # type: ignore[no-untyped-def]
+    from gateway.api.app import slurm_available
+    from gateway.db import make_engine, migrate
+    from gateway.reconciler import Reconciler
+    from gateway.slurm import SlurmClient
+    from gateway.submission import Submitter
+
+    runner = make_runner(settings)
+    if not slurm_available(runner):
+        click.echo("Slurm does not answer: no reconciler", err=True)
+        return None
+    engine = make_engine(settings.database_url)
+    migrate(engine)
+    client = SlurmClient(runner, timeout=settings.slurm_timeout_s)
+    return Reconciler(engine, settings, client, Submitter(settings, client))
+
+
+@main.command("reconcile")
+@click.option("--once", is_flag=True, help="Run one cycle, print what it did, and exit.")
+@friendly_errors
+def reconcile(once: bool) -> None:
+    """Run the reconciler alone (when the API runs elsewhere or with several workers)."""
+    rec = _reconciler(get_settings())
+    if rec is None:
+        sys.exit(1)
+    if once:
+        stats = rec.cycle()
+        click.echo(f"{stats.jobs} active jobs, {stats.slurm_calls} Slurm queries, {stats.changed} changed, "
+                   f"{stats.published} published" + (f", errors: {stats.errors}" if stats.errors else ""))
+        return
+    rec.run()
 
 
 @main.command("demo")

@@ -116,3 +116,10 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
         return {"status": "ok"}
 
     return app
+
+
+def worker_app() -> FastAPI:
+    """One API worker of a multi-process `finetune serve`: the reconciler runs elsewhere."""
+    from gateway.config import get_settings
+
+    return create_app(get_settings(), reconcile=False)
