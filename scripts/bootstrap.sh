@@ -35,7 +35,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     /usr/bin/python3 -m venv "$VENV"
 fi
 stamp="$VENV/.slurm-finetune-deps"
-want="$(sha256sum pyproject.toml | cut -c1-64) $TORCH_SPEC"
+want="$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-64) $TORCH_SPEC"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "bootstrap: installing $TORCH_SPEC and the project's dependencies (a few minutes once)"
     "$VENV/bin/pip" install -q "$TORCH_SPEC"
