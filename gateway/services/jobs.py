@@ -70,21 +70,14 @@ def apply_event(session: Session, job: FineTuningJob, event: Event, *, message: 
     """Move ``job`` by ``event`` (IllegalTransition if not allowed), with ``changes``,
     in the caller's transaction. Raises StaleJob if another writer got there first."""
     new = transition(JobState(job.status), event)
-    values = {"status": new.value, "version": job.version + 1, **changes}
-    res = session.execute(sa.update(FineTuningJob)
-                          .where(col(FineTuningJob.id) == job.id, col(FineTuningJob.version) == job.version)
-                          .values(**values))
-    if res.rowcount != 1:  # type: ignore[attr-defined]
-        raise StaleJob(job.id)
-    for k, v in values.items():
-        setattr(job, k, v)
+    update_fields(session, job, status=new.value, **changes)
     add_event(session, job.id, message or f"Job {new.value.replace('_', ' ')}", level=level,
               data={"status": new.value})
     return new
 
 
 def update_fields(session: Session, job: FineTuningJob, **changes: Any) -> None:
-    """Change non-state fields under the same version guard."""
+    """Change ``job``'s row, bumping its version, only if nobody changed it since it was read."""
     values = {"version": job.version + 1, **changes}
     res = session.execute(sa.update(FineTuningJob)
                           .where(col(FineTuningJob.id) == job.id, col(FineTuningJob.version) == job.version)
