@@ -122,7 +122,7 @@ def run_demo(settings: Settings, echo: Callable[[str], None] = print) -> int:
     client = httpx.Client(base_url=url, headers=headers, timeout=120)
     out.mkdir(exist_ok=True)
     data = out / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in toy_conversations(240, seed=1)))
+    data.write_text("".join(json.dumps(r) + "\n" for r in toy_conversations(300, seed=1)))
     with open(data, "rb") as f:
         fobj = client.post("/v1/files", data={"purpose": "fine-tune"}, files={"file": (data.name, f)}).json()
     stats = fobj["validation"]["stats"]
@@ -130,7 +130,7 @@ def run_demo(settings: Settings, echo: Callable[[str], None] = print) -> int:
          f"{stats['tokens']['total']} tokens (p95 {stats['tokens']['p95']}) -> {fobj['id']}")
     job = client.post("/v1/fine_tuning/jobs", json={
         "model": MODEL, "training_file": fobj["id"], "suffix": "demo",
-        "hyperparameters": {"n_epochs": 3, "learning_rate_multiplier": 15, "batch_size_tokens": 1024,
+        "hyperparameters": {"n_epochs": 4, "learning_rate_multiplier": 25, "batch_size_tokens": 1024,
                             "max_seq_len": 256, "checkpoint_every_steps": 10}}).json()
     if "error" in job and "id" not in job:
         echo(f"job creation failed: {job['error']['message']}")
