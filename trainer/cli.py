@@ -5,8 +5,10 @@ The gateway mounts :data:`models` as ``finetune models ...``.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import click
@@ -93,12 +95,16 @@ def add_cmd(path: Path, name: str, root: Path) -> None:
 
 @models.command("list")
 @_ROOT
-def list_cmd(root: Path) -> None:
+@click.option("--json", "as_json", is_flag=True, help="print a JSON list of catalog entries")
+def list_cmd(root: Path, as_json: bool) -> None:
     """List registered models: name, digest, size, added at."""
     try:
         entries = catalog.list_models(root)
     except TrainerError as e:
         _fail(e)
+    if as_json:
+        click.echo(json.dumps([{**asdict(e), "path": str(Path(root) / e.path)} for e in entries], indent=2))
+        return
     for entry in entries:
         click.echo(f"{entry.name}\t{entry.digest}\t{entry.size_bytes}\t{entry.added_at}")
 
