@@ -68,14 +68,3 @@ def test_no_shell_true_anywhere() -> None:
     bad = [f"{p.relative_to(ROOT)}" for p in _modules() if "shell=True" in p.read_text()]
     assert bad == []
 
-
-def test_models_list_json(tmp_path: Path) -> None:
-    """`finetune models list --json` prints the catalog for scripts (empty catalog: [])."""
-    import json
-
-    from click.testing import CliRunner
-
-    from gateway.cli import main
-
-    res = CliRunner().invoke(main, ["models", "list", "--json", "--root", str(tmp_path)])
-    assert res.exit_code == 0 and json.loads(res.output) == []
