@@ -98,7 +98,7 @@ class _FastExample(msgspec.Struct, forbid_unknown_fields=True):
 _FAST = msgspec.json.Decoder(_FastExample)
 
 
-def _fast_messages(raw: bytes) -> list[dict[str, Any]] | None:
+def _fast_messages(raw: bytes) -> list[_FastMessage] | None:
     """The messages of a well-formed line decoded in C, or None (then the detailed,
     slower path finds and names the problem)."""
     try:
@@ -124,7 +124,19 @@ def _fast_messages(raw: bytes) -> list[dict[str, Any]] | None:
             expected = "assistant"
     if not learn:
         return None
-    return [{"role": m.role, "content": m.content} for m in msgs]
+    return msgs
+
+
+def _encodable(messages: list[dict[str, Any]]) -> bool:
+    """Whether every string of the messages is valid Unicode (no lone surrogates)."""
+    try:
+        for m in messages:
+            for key in ("content", "name"):
+                if isinstance(m.get(key), str):
+                    m[key].encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class LineError(Exception):
@@ -240,12 +252,23 @@ class Validator:
         raw = raw.rstrip(b"\r\n")
         if not raw or raw.isspace():
             return  # blank lines are ignored
-        messages = _fast_messages(raw)
-        if messages is None:
+        fast = _fast_messages(raw)
+        messages: list[dict[str, Any]] | None
+        if fast is not None:
+            messages = None   # built only if a token count needs them
+            chars = sum(len(m.content) for m in fast)
+        else:
             messages = self._detailed(lineno, raw)
             if messages is None:
                 return
-        self._accept(lineno, raw, messages)
+            chars = sum(len(m["content"]) for m in messages)
+        if (b"\\ud" in raw or b"\\uD" in raw) and not _encodable(
+                messages or [{"role": m.role, "content": m.content} for m in fast or ()]):
+            # JSON may escape a lone UTF-16 surrogate (\ud800); no tokenizer can encode it
+            self._error(lineno, Kind.NOT_UTF8, "a string holds a lone surrogate escape (\\ud800-\\udfff): "
+                        "not valid Unicode")
+            return
+        self._accept(lineno, raw, chars, messages, fast)
 
     def _detailed(self, lineno: int, raw: bytes) -> list[dict[str, Any]] | None:
         """The slow path: find and record the line's first problem (None), or its messages."""
@@ -268,18 +291,21 @@ class Validator:
             self._error(lineno, e.kind, e.message)
             return None
 
-    def _accept(self, lineno: int, raw: bytes, messages: list[dict[str, Any]]) -> None:
+    def _accept(self, lineno: int, raw: bytes, chars: int, messages: list[dict[str, Any]] | None,
+                fast: list[_FastMessage] | None) -> None:
         index = self.examples
         self.examples += 1
         digest = hashlib.blake2b(raw, digest_size=16).digest()
         first = self._seen.setdefault(digest, lineno)
         if first != lineno:
             self._warn(lineno, Warn.DUPLICATE, f"exact duplicate of line {first}")
-        if sum(len(m["content"]) for m in messages) < SHORT_CHARS:
+        if chars < SHORT_CHARS:
             self._warn(lineno, Warn.VERY_SHORT,
                        f"very short example (under {SHORT_CHARS} characters of content)")
         if self.counter is None:
             return
+        if messages is None:
+            messages = [{"role": m.role, "content": m.content} for m in fast or ()]
         weight = 1 if index < EXACT_FIRST else (SAMPLE_EVERY if index % SAMPLE_EVERY == 0 else 0)
         bound = self.counter.bound(messages) if weight == 0 else None
         if weight or bound is None or bound > self.max_seq_len:
