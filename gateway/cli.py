@@ -187,6 +187,31 @@ def token_create(tenant_name: str | None, role: str, name: str, as_json: bool) -
     click.echo(json.dumps(out) if as_json else f"token (shown once): {secret}")
 
 
+@admin.group("audit")
+def audit_group() -> None:
+    """The hash-chained audit log of staff access."""
+
+
+@audit_group.command("verify")
+@click.option("--json", "as_json", is_flag=True, help="Print the verdict as JSON.")
+@friendly_errors
+def audit_verify(as_json: bool) -> None:
+    """Check every entry's hash and link, and the head; exit 1 naming the first broken entry."""
+    from gateway.audit import verify
+    from gateway.db import make_engine, migrate
+
+    engine = make_engine(get_settings().database_url)
+    migrate(engine)
+    verdict = verify(engine)
+    if as_json:
+        click.echo(json.dumps({"ok": verdict.ok, "entries": verdict.entries, "head": verdict.head_hash,
+                               "broken_seq": verdict.broken_seq, "problem": verdict.problem}))
+    else:
+        click.echo(verdict.message())
+    if not verdict.ok:
+        sys.exit(1)
+
+
 @admin.group()
 def qos() -> None:
     """QOS tiers."""
@@ -320,12 +345,14 @@ def demo() -> None:
 
 
 def _mount_user_commands() -> None:
-    from gateway.usercli import artifacts, files, jobs, login
+    from gateway.usercli import access, artifacts, audit, files, jobs, login, staff
 
     main.add_command(login)
     main.add_command(files)
     main.add_command(jobs)
     main.add_command(artifacts)
+    for group in (staff, access, audit):
+        main.add_command(group)
 
 
 _mount_user_commands()

@@ -170,3 +170,58 @@ class JobCheckpoint(SQLModel, table=True):
     path: str = Field(max_length=300)
     metrics: dict[str, Any] | None = Field(default=None, sa_type=sa.JSON)
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+
+
+class AccessRequest(SQLModel, table=True):
+    """A staff request to read one tenant resource; a grant once the tenant's admin approves.
+
+    ``status``: pending → approved | denied; approved → revoked. "Expired" is not stored:
+    an approved grant is usable only while ``approved_at <= now < expires_at``.
+    """
+
+    __tablename__ = "access_requests"
+
+    id: str = Field(default_factory=lambda: new_id("acr"), primary_key=True, max_length=40)
+    tenant_id: int = Field(foreign_key="tenants.id", index=True)
+    requester_token_id: int = Field(foreign_key="api_tokens.id", index=True)
+    requester_role: str = Field(max_length=16)
+    resource_kind: str = Field(max_length=8)          # job | file
+    resource_id: str = Field(max_length=40)
+    reason: str = Field(max_length=1000)
+    duration_s: int
+    status: str = Field(default="pending", max_length=16)
+    created_at: datetime = Field(sa_type=UTCDateTime)
+    decided_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    decided_by_token_id: int | None = Field(default=None, foreign_key="api_tokens.id")
+    expires_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    revoked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    revoked_by_token_id: int | None = Field(default=None, foreign_key="api_tokens.id")
+
+
+class AuditEntry(SQLModel, table=True):
+    """One append-only audit record, hash-chained to the one before (gateway.audit)."""
+
+    __tablename__ = "audit_log"
+
+    seq: int = Field(primary_key=True, sa_column_kwargs={"autoincrement": False})
+    at: datetime = Field(sa_type=UTCDateTime)
+    actor_token_id: int | None = None
+    actor_role: str = Field(max_length=16)
+    tenant: str | None = Field(default=None, max_length=24, index=True)
+    resource: str | None = Field(default=None, max_length=60)
+    action: str = Field(max_length=40)
+    grant_id: str | None = Field(default=None, max_length=40)
+    outcome: str = Field(max_length=8)                 # allowed | denied
+    reason: str = Field(default="", max_length=500)
+    prev_hash: str = Field(max_length=64)
+    hash: str = Field(max_length=64)
+
+
+class AuditHead(SQLModel, table=True):
+    """The single row (id 1) naming the newest audit entry; appends lock it to stay serial."""
+
+    __tablename__ = "audit_head"
+
+    id: int = Field(primary_key=True, sa_column_kwargs={"autoincrement": False})
+    seq: int = 0
+    hash: str = Field(max_length=64)

@@ -125,3 +125,22 @@ def build_results(staging: Path, out: Path, job_id: str) -> dict[str, tuple[int,
 def temp_dir(artifacts_root: Path, job_id: str) -> Path:
     artifacts_root.mkdir(mode=0o700, parents=True, exist_ok=True)
     return artifacts_root / f".pub-{job_id}-{secrets.token_hex(4)}"
+
+
+def stale_entries(artifacts_root: Path, referenced: set[str], *, now: float, min_age_s: float) -> list[Path]:
+    """What a publication interrupted by a crash left in ``artifacts_root``: hidden temp dirs
+    (``.pub-*``) and artifact dirs no file row points at, untouched for ``min_age_s`` (a
+    publication in flight elsewhere is younger). Never visible through the API; only space."""
+    if not artifacts_root.is_dir():
+        return []
+    out = []
+    for entry in artifacts_root.iterdir():
+        if entry.name in referenced or not (entry.name.startswith(".pub-") or entry.name.startswith("art-")):
+            continue
+        try:
+            age = now - entry.lstat().st_mtime
+        except FileNotFoundError:
+            continue
+        if age >= min_age_s:
+            out.append(entry)
+    return out

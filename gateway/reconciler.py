@@ -16,6 +16,7 @@ import os
 import pwd
 import shutil
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -34,6 +35,8 @@ from gateway.slurm.runner import SlurmError
 
 log = logging.getLogger(__name__)
 WATCHED = (JobState.QUEUED, JobState.RUNNING, JobState.PUBLISHING, JobState.CANCELLING)
+SWEEP_EVERY_S = 60.0       # look for leftovers of interrupted publications this often
+SWEEP_MIN_AGE_S = 60.0     # older than any publication in flight (they take well under a second)
 PHASES = {"tokenizing": "tokenizing", "training": "training", "evaluating": "evaluating",
           "saving": "evaluating"}
 
@@ -58,6 +61,7 @@ class Reconciler:
         self.engine, self.settings, self.client, self.submitter = engine, settings, client, submitter
         self.stop = threading.Event()
         self._cancelling: set[int] = set()
+        self._next_sweep = 0.0
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ loop
@@ -103,7 +107,23 @@ class Reconciler:
                         stats.errors.append(f"{job.id}: {type(e).__name__}")
             self._confirm_cleanups(s)
             self._recover_submissions(s)
+            if time.monotonic() >= self._next_sweep:
+                self._next_sweep = time.monotonic() + SWEEP_EVERY_S
+                self._sweep_artifacts(s)
         return stats
+
+    def _sweep_artifacts(self, s: Session) -> None:
+        """Remove what publications cut short by a crash left behind (see publish.stale_entries)."""
+        referenced: dict[int, set[str]] = {}
+        for tid, path in s.exec(select(DataFile.tenant_id, DataFile.path).where(
+                col(DataFile.path).like("artifacts/%"), col(DataFile.deleted_at).is_(None))):
+            referenced.setdefault(tid, set()).add(str(path).split("/")[1])
+        for tenant in s.exec(select(Tenant)):
+            root = self.settings.tenant_dir(tenant.name) / "artifacts"
+            for entry in publish.stale_entries(root, referenced.get(tenant.id or -1, set()), now=time.time(),
+                                               min_age_s=SWEEP_MIN_AGE_S):
+                log.warning("removing %s: left by a publication that did not finish", entry)
+                shutil.rmtree(entry, ignore_errors=True)
 
     def _recover_submissions(self, s: Session) -> None:
         """Jobs recorded but never handed to Slurm (the gateway died between its commit and
@@ -122,7 +142,7 @@ class Reconciler:
                 if job.id in found:
                     apply_event(s, job, Event.SUBMITTED, message=f"Recovered: Slurm job {found[job.id]} "
                                 "was submitted before the gateway restarted", slurm_job_id=found[job.id])
-                elif self.submitter is not None and (spec := self._saved_spec(job, tenant)) is not None:
+                elif self.submitter is not None and (spec := self._saved_spec(s, job, tenant)) is not None:
                     from gateway.services.jobs import submit_job
 
                     add_event(s, job.id, "Submitting again: the gateway stopped before Slurm had the job")
@@ -136,12 +156,32 @@ class Reconciler:
             except StaleJob:
                 s.rollback()
 
-    def _saved_spec(self, job: FineTuningJob, tenant: Tenant) -> dict[str, Any] | None:
+    def _saved_spec(self, s: Session, job: FineTuningJob, tenant: Tenant) -> dict[str, Any] | None:
+        """The spec written before sbatch, else one rebuilt from the job's row (the gateway can die
+        between committing the row and writing spec.json); None if the job can no longer run."""
         try:
             spec = json.loads((job_dir(self.settings, tenant.name, job.id) / "spec.json").read_text())
+            if isinstance(spec, dict):
+                return spec
         except (OSError, ValueError):
+            pass
+        from gateway.models import Role
+        from gateway.services import ServiceError
+        from gateway.services.jobs import _catalog_entry, job_spec
+        from gateway.services.tokens import Principal
+
+        train = s.get(DataFile, job.training_file)
+        val = s.get(DataFile, job.validation_file) if job.validation_file else None
+        if train is None or train.deleted_at is not None or (val is not None and val.deleted_at is not None):
             return None
-        return spec if isinstance(spec, dict) else None
+        owner = Principal(0, Role.MEMBER, tenant.id, tenant.name, tenant.unix_user)
+        try:
+            entry = _catalog_entry(self.settings, job.model)
+            if job.model_digest and entry.digest != job.model_digest:
+                return None
+            return job_spec(self.settings, owner, job, train, val, entry)
+        except ServiceError:
+            return None
 
     # ------------------------------------------------------------- per job
     def _one(self, s: Session, job: FineTuningJob, tenant: Tenant, st: JobStatus) -> bool:

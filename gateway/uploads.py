@@ -7,6 +7,7 @@ and its temp file removed.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import secrets
@@ -17,7 +18,7 @@ from typing import Any
 
 from python_multipart.multipart import MultipartParser, parse_options_header
 
-from gateway.services import ServiceError, TooLarge
+from gateway.services import ServiceError, StorageFull, TooLarge
 from gateway.validation import LineSplitter, Validator
 
 MAX_FIELD_BYTES = 1024
@@ -44,6 +45,14 @@ def clean_filename(raw: bytes) -> str:
     name = raw.decode("utf-8", errors="replace").replace("\\", "/").rsplit("/", 1)[-1]
     name = "".join(ch for ch in name if ch.isprintable()).strip() or "upload.jsonl"
     return name[:255]
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """os.write may write less than asked (a filling disk) without raising: loop, so a full disk
+    surfaces as ENOSPC instead of a silently truncated file whose sha256 covers bytes never stored."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 class _Receiver:
@@ -100,7 +109,7 @@ class _Receiver:
         if self.up.size > self.limit:
             raise TooLarge(f"the file exceeds the upload limit of {self.limit} bytes; it was cut "
                            "off and nothing was kept", param="file")
-        os.write(self.fd, chunk)
+        _write_all(self.fd, chunk)
         self.hasher.update(chunk)
         assert self.splitter is not None
         self.splitter.feed(chunk)
@@ -142,6 +151,12 @@ async def receive(stream: AsyncIterator[bytes], content_type: str, *, dest_dir: 
     except ServiceError:
         _abort(rx)
         raise
+    except OSError as e:    # the temp file could not be written: say so, not "malformed"
+        _abort(rx)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StorageFull("the tenant's storage is full: the upload was not kept; free space or ask "
+                              "your administrator, then retry") from e
+        raise
     except Exception as e:  # python-multipart's parse errors, client disconnects
         _abort(rx)
         raise ServiceError(f"malformed multipart body: {type(e).__name__}") from e
@@ -149,7 +164,11 @@ async def receive(stream: AsyncIterator[bytes], content_type: str, *, dest_dir: 
         raise ServiceError("no `file` part in the upload", param="file")
     assert rx.splitter is not None
     rx.up.sha256 = rx.hasher.hexdigest()
-    rx.up.report = rx.splitter.finish()
+    try:
+        rx.up.report = rx.splitter.finish()   # token counting runs here: it must not leak the temp file
+    except BaseException:
+        _abort(rx)
+        raise
     return rx.up
 
 

@@ -497,3 +497,115 @@ def download(job_id: str, out_dir: Path | None, extract: bool, as_json: bool) ->
         click.echo(f"{g['path']}  ({g['bytes']} bytes)")
     if adapter:
         click.echo(f"{adapter}/  (PeftModel.from_pretrained(base, {adapter!r}))")
+
+
+# ----------------------------------------------------------------- staff access
+def _request_line(r: dict[str, Any]) -> str:
+    expires = f"  until {_when(r['expires_at'])}" if r.get("expires_at") else ""
+    return (f"{r['id']}  {r['state']:<8} {r.get('tenant') or '-':<12} {r['resource']:<40} "
+            f"{r['duration_s'] // 60} min{expires}  {r['reason'][:60]}")
+
+
+@click.group("staff")
+def staff() -> None:
+    """Support staff: ask a tenant for time-bounded access to one resource (staff/sysadmin tokens)."""
+
+
+@staff.command("request")
+@click.option("--tenant", required=True, help="The tenant that owns the resource.")
+@click.option("--resource", required=True, metavar="job:ID|file:ID", help="Exactly one job or file.")
+@click.option("--reason", required=True, help="Why you need it; the tenant's admin reads this.")
+@click.option("--duration", default="2h", show_default=True,
+              help="How long the grant lasts once approved (30m, 2h, 1d).")
+@click.option("--json", "as_json", is_flag=True)
+def staff_request(tenant: str, resource: str, reason: str, duration: str, as_json: bool) -> None:
+    """Ask for access; it stays pending until the tenant's admin approves or denies it."""
+    obj = call("POST", "/v1/staff/access-requests",
+               json={"tenant": tenant, "resource": resource, "reason": reason, "duration": duration}).json()
+    if as_json:
+        _echo_json(obj)
+        return
+    click.echo(f"{obj['id']}: {obj['state']}; the admin of {tenant} approves it with "
+               f"`finetune access approve {obj['id']}`")
+
+
+@staff.command("list")
+@click.option("--json", "as_json", is_flag=True)
+def staff_list(as_json: bool) -> None:
+    """Your access requests and their state now (pending, active, expired, denied, revoked)."""
+    data = call("GET", "/v1/staff/access-requests").json()["data"]
+    if as_json:
+        _echo_json(data)
+        return
+    for r in data:
+        click.echo(_request_line(r))
+
+
+@click.group("access")
+def access() -> None:
+    """Staff access requests for your tenant's resources (approve/deny/revoke: tenant admins)."""
+
+
+@access.command("list")
+@click.option("--json", "as_json", is_flag=True)
+def access_list(as_json: bool) -> None:
+    """Every access request for your resources, newest first."""
+    data = call("GET", "/v1/access-requests").json()["data"]
+    if as_json:
+        _echo_json(data)
+        return
+    for r in data:
+        click.echo(_request_line(r))
+
+
+def _decide(request_id: str, action: str, as_json: bool) -> None:
+    obj = call("POST", f"/v1/access-requests/{request_id}/{action}").json()
+    if as_json:
+        _echo_json(obj)
+    else:
+        click.echo(_request_line(obj))
+
+
+@access.command("approve")
+@click.argument("request_id")
+@click.option("--json", "as_json", is_flag=True)
+def access_approve(request_id: str, as_json: bool) -> None:
+    """Approve: the requester may read exactly that resource for the requested duration."""
+    _decide(request_id, "approve", as_json)
+
+
+@access.command("deny")
+@click.argument("request_id")
+@click.option("--json", "as_json", is_flag=True)
+def access_deny(request_id: str, as_json: bool) -> None:
+    """Deny a pending request."""
+    _decide(request_id, "deny", as_json)
+
+
+@access.command("revoke")
+@click.argument("request_id")
+@click.option("--json", "as_json", is_flag=True)
+def access_revoke(request_id: str, as_json: bool) -> None:
+    """End an active grant now."""
+    _decide(request_id, "revoke", as_json)
+
+
+@click.group("audit")
+def audit() -> None:
+    """The audit trail of your tenant's resources."""
+
+
+@audit.command("list")
+@click.option("--limit", type=click.IntRange(1, 1000), default=50, show_default=True)
+@click.option("--before", type=click.IntRange(1, 2**31 - 1), help="Entries older than this sequence number.")
+@click.option("--json", "as_json", is_flag=True)
+def audit_list(limit: int, before: int | None, as_json: bool) -> None:
+    """Requests, decisions and reads by staff on your resources, newest first."""
+    params: dict[str, Any] = {"limit": limit, **({"after": before} if before else {})}
+    data = call("GET", "/v1/audit", params=params).json()["data"]
+    if as_json:
+        _echo_json(data)
+        return
+    for e in data:
+        click.echo(f"{e['seq']:>6}  {e['at'][:19]}Z  {e['actor_role']}#{e['actor_token_id']:<4} {e['action']:<18} "
+                   f"{e['resource'] or '-':<40} {e['outcome']:<7} {e['reason']}")

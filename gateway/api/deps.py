@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Annotated
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from sqlmodel import Session
 
+from gateway.access import OPERATOR_ROLES, Policy, admits, declares, refusal
 from gateway.config import Settings
-from gateway.services import ServiceError
+from gateway.services import Forbidden, ServiceError
 from gateway.services.tokens import Principal, authenticate
 
 
@@ -46,3 +48,44 @@ def get_principal(request: Request, session: Annotated[Session, Depends(get_sess
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
+
+
+def now_for(request: Request, session: Session) -> datetime:
+    """The app's clock: ``app.state.clock(session)`` when set (tests move it), else DB time."""
+    from gateway.services.staff import db_now
+
+    clock: Callable[[Any], datetime] = getattr(request.app.state, "clock", None) or db_now
+    return clock(session)
+
+
+def get_now(request: Request, session: SessionDep) -> datetime:
+    return now_for(request, session)
+
+
+NowDep = Annotated[datetime, Depends(get_now)]
+
+
+def access(policy: Policy | str) -> Any:
+    """``Depends`` that declares and enforces a route's access policy (gateway.access).
+
+    Operators (staff, sysadmin) refused by a tenant route are audited: an attempt to
+    reach tenant content outside the grant-checked staff routes leaves a trace.
+    """
+    policy = Policy(policy)
+    if policy is Policy.PUBLIC:
+        def public() -> None:
+            return None
+
+        return Depends(declares(public, policy))
+
+    def check(request: Request, principal: PrincipalDep, session: SessionDep) -> Principal:
+        if not admits(policy, principal.role):
+            if principal.role in OPERATOR_ROLES:
+                from gateway.services.staff import record_refusal
+
+                record_refusal(request.app.state.engine, now=now_for(request, session), principal=principal,
+                               path_params=request.path_params, route=f"{request.method} {request.url.path}")
+            raise Forbidden(refusal(policy, principal.role))
+        return principal
+
+    return Depends(declares(check, policy))

@@ -8,7 +8,8 @@ from typing import Any, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
-from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep
+from gateway.access import Policy
+from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep, access
 from gateway.models import DataFile
 from gateway.services import ServiceError, TooLarge
 from gateway.services import files as svc
@@ -16,7 +17,7 @@ from gateway.tokencount import counter_for
 from gateway.uploads import receive
 from gateway.validation import Validator
 
-router = APIRouter(prefix="/v1/files", tags=["files"])
+router = APIRouter(prefix="/v1/files", tags=["files"], dependencies=[access(Policy.TENANT)])
 FILE_ID = r"^[A-Za-z0-9_-]{1,64}$"
 
 

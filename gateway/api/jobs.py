@@ -7,13 +7,14 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Header, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep
+from gateway.access import Policy
+from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep, access
 from gateway.jobstate import JobState
 from gateway.models import FineTuningJob, JobCheckpoint, JobEvent
 from gateway.services import ServiceError
 from gateway.services import jobs as svc
 
-router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
+router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"], dependencies=[access(Policy.TENANT)])
 JOB_ID = r"^[A-Za-z0-9_-]{1,64}$"
 
 

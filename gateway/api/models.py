@@ -9,7 +9,8 @@ from typing import Any
 from fastapi import APIRouter
 from sqlmodel import col, select
 
-from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep
+from gateway.access import Policy
+from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep, access
 from gateway.models import DataFile, FineTuningJob, utcnow
 from gateway.services import NotFound, ServiceError
 from gateway.services.jobs import _tenant_id, job_dir
@@ -35,7 +36,7 @@ def _ft_models(session: Any, tenant_id: int, tenant: str) -> list[dict[str, Any]
              if j.finished_at else 0, "owned_by": tenant, "root": j.model, "job_id": j.id} for j in rows]
 
 
-@router.get("")
+@router.get("", dependencies=[access(Policy.AUTHENTICATED)])
 def list_models(session: SessionDep, settings: SettingsDep, principal: PrincipalDep) -> dict[str, Any]:
     data = _catalog(settings)
     if principal.tenant_id is not None and principal.tenant_name:
@@ -43,7 +44,7 @@ def list_models(session: SessionDep, settings: SettingsDep, principal: Principal
     return {"object": "list", "data": data}
 
 
-@router.get("/{model_id:path}")
+@router.get("/{model_id:path}", dependencies=[access(Policy.AUTHENTICATED)])
 def retrieve_model(model_id: str, session: SessionDep, settings: SettingsDep,
                    principal: PrincipalDep) -> dict[str, Any]:
     for m in list_models(session, settings, principal)["data"]:
@@ -52,7 +53,7 @@ def retrieve_model(model_id: str, session: SessionDep, settings: SettingsDep,
     raise NotFound(f"no such model: {model_id}", param="model")
 
 
-@router.delete("/{model_id:path}")
+@router.delete("/{model_id:path}", dependencies=[access(Policy.TENANT)])
 def delete_model(model_id: str, session: SessionDep, settings: SettingsDep,
                  principal: PrincipalDep) -> dict[str, Any]:
     """Delete a fine-tuned model: its adapter, checkpoints and staging leave storage."""

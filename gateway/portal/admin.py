@@ -8,13 +8,15 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 
+from gateway.access import Policy
 from gateway.api.deps import SettingsDep
 from gateway.portal.session import PortalUser
-from gateway.portal.web import PortalRoute, UserDep, render
+from gateway.portal.web import PortalRoute, UserDep, portal_access, render
 from gateway.services import Forbidden, ServiceError
 from gateway.slurm.runner import SlurmError
 
-router = APIRouter(prefix="/portal/admin", route_class=PortalRoute, include_in_schema=False)
+router = APIRouter(prefix="/portal/admin", route_class=PortalRoute, include_in_schema=False,
+                   dependencies=[portal_access(Policy.SYSADMIN)])
 
 
 def get_admin(user: UserDep) -> PortalUser:

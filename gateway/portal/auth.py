@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Form, Request, Response
 from fastapi.responses import RedirectResponse
 
+from gateway.access import Policy
 from gateway.api.deps import SessionDep
 from gateway.models import ApiToken
 from gateway.portal.session import (
@@ -23,7 +24,7 @@ from gateway.portal.session import (
     portal_key,
     unsign,
 )
-from gateway.portal.web import PortalRoute, UserDep, render
+from gateway.portal.web import PortalRoute, UserDep, portal_access, render
 from gateway.services.tokens import authenticate
 
 router = APIRouter(route_class=PortalRoute, include_in_schema=False)
@@ -36,13 +37,13 @@ def safe_next(target: str | None, default: str) -> str:
     return default
 
 
-@router.get("/")
+@router.get("/", dependencies=[portal_access(Policy.PUBLIC)])
 def root() -> Response:
     return RedirectResponse("/portal/", status_code=307)
 
 
-@router.get("/portal")
-@router.get("/portal/")
+@router.get("/portal", dependencies=[portal_access(Policy.PUBLIC)])
+@router.get("/portal/", dependencies=[portal_access(Policy.PUBLIC)])
 def home(request: Request, session: SessionDep) -> Response:
     try:
         user = current_user(request, session)
@@ -58,12 +59,12 @@ def _login_page(request: Request, *, next_: str, error: str | None = None, statu
     return resp
 
 
-@router.get("/portal/login")
+@router.get("/portal/login", dependencies=[portal_access(Policy.PUBLIC)])
 def login_form(request: Request, next: str | None = None) -> Response:
     return _login_page(request, next_=safe_next(next, ""))
 
 
-@router.post("/portal/login")
+@router.post("/portal/login", dependencies=[portal_access(Policy.PUBLIC)])
 def login(request: Request, session: SessionDep, token: Annotated[str, Form(max_length=200)] = "",
           csrf: Annotated[str, Form(max_length=100)] = "",
           next: Annotated[str, Form(max_length=500)] = "") -> Response:
@@ -83,7 +84,7 @@ def login(request: Request, session: SessionDep, token: Annotated[str, Form(max_
     return resp
 
 
-@router.post("/portal/logout")
+@router.post("/portal/logout", dependencies=[portal_access(Policy.AUTHENTICATED)])
 def logout(request: Request, user: UserDep, csrf: Annotated[str, Form(max_length=100)] = "") -> Response:
     check_csrf(user.csrf, csrf)
     resp = RedirectResponse("/portal/login?signed_out=1", status_code=303)

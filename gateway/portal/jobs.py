@@ -9,6 +9,7 @@ from fastapi import APIRouter, Form, Query, Request, Response
 from fastapi.responses import JSONResponse, RedirectResponse
 from sqlmodel import Session
 
+from gateway.access import Policy
 from gateway.api.deps import SessionDep, SettingsDep
 from gateway.config import Settings
 from gateway.jobstate import JobState
@@ -24,12 +25,13 @@ from gateway.portal.jobviews import (
     progress_view,
 )
 from gateway.portal.session import PortalUser, check_csrf
-from gateway.portal.web import PortalRoute, UserDep, env, render
+from gateway.portal.web import PortalRoute, UserDep, env, portal_access, render
 from gateway.services import NotFound, ServiceError
 from gateway.services import files as files_svc
 from gateway.services import jobs as svc
 
-router = APIRouter(prefix="/portal/jobs", route_class=PortalRoute, include_in_schema=False)
+router = APIRouter(prefix="/portal/jobs", route_class=PortalRoute, include_in_schema=False,
+                   dependencies=[portal_access(Policy.TENANT)])
 JOB_ID = r"^[A-Za-z0-9_-]{1,64}$"
 env.globals.update(badge=badge)
 

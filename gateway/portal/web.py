@@ -17,9 +17,10 @@ from fastapi.routing import APIRoute
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from sqlmodel import Session
 
-from gateway.api.deps import get_session
+from gateway.access import OPERATOR_ROLES, Policy, admits, declares, refusal
+from gateway.api.deps import get_session, now_for
 from gateway.portal.session import NeedLogin, PortalUser, current_user
-from gateway.services import ServiceError
+from gateway.services import Forbidden, ServiceError
 
 log = logging.getLogger("gateway.portal")
 HERE = Path(__file__).parent
@@ -120,3 +121,29 @@ def get_user(request: Request, session: Annotated[Session, Depends(get_session)]
 
 
 UserDep = Annotated[PortalUser, Depends(get_user)]
+
+
+def portal_access(policy: Policy | str) -> Any:
+    """``Depends`` that declares and enforces a page's access policy, like the API's ``access``.
+
+    Operators refused by a tenant page are audited, as on the API.
+    """
+    policy = Policy(policy)
+    if policy is Policy.PUBLIC:
+        def public() -> None:
+            return None
+
+        return Depends(declares(public, policy))
+
+    def check(request: Request, user: UserDep, session: Annotated[Session, Depends(get_session)]) -> PortalUser:
+        role = user.principal.role
+        if not admits(policy, role):
+            if role in OPERATOR_ROLES:
+                from gateway.services.staff import record_refusal
+
+                record_refusal(request.app.state.engine, now=now_for(request, session), principal=user.principal,
+                               path_params=request.path_params, route=f"{request.method} {request.url.path}")
+            raise Forbidden(refusal(policy, role).replace("this route", "this page"))
+        return user
+
+    return Depends(declares(check, policy))

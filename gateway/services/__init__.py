@@ -33,3 +33,10 @@ class Forbidden(ServiceError):
 class TooLarge(ServiceError):
     status = 413
     code = "file_too_large"
+
+
+class StorageFull(ServiceError):
+    """The tenant's storage has no room (ENOSPC / EDQUOT): nothing was kept; retry later."""
+
+    status = 507
+    code = "storage_full"

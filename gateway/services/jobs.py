@@ -36,6 +36,7 @@ OPENAI_HP = {"n_epochs": "epochs", "learning_rate_multiplier": "learning_rate_mu
              "batch_size": "batch_size"}
 BASE_LEARNING_RATE = 2e-4
 DEFAULT_EPOCHS = 3
+MAX_EPOCHS = 100   # trainer.spec.Hyperparameters.epochs
 
 
 class TooManyJobs(ServiceError):
@@ -161,6 +162,17 @@ def _usable_file(session: Session, principal: Principal, file_id: str, param: st
     return row
 
 
+def _epochs(hp: dict[str, Any]) -> int:
+    """The number of epochs the estimate needs; ServiceError (400) naming the field when it
+    is not a whole number in the trainer's range (the full spec is checked later)."""
+    value = hp.get("epochs", DEFAULT_EPOCHS)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+            or value != int(value) or not 1 <= value <= MAX_EPOCHS:
+        raise ServiceError(f"hyperparameters.n_epochs must be a whole number from 1 to {MAX_EPOCHS}",
+                           param="hyperparameters.n_epochs")
+    return int(value)
+
+
 def build_hyperparameters(raw: dict[str, Any]) -> dict[str, Any]:
     """OpenAI-style (n_epochs, learning_rate_multiplier, batch_size) or native names → ours."""
     hp = {k: v for k, v in raw.items() if v != "auto"}
@@ -228,7 +240,7 @@ def create_job(*, session: Session, settings: Settings, principal: Principal, re
     hp = build_hyperparameters(req.hyperparameters)
     if req.seed is not None:
         hp["seed"] = req.seed
-    epochs = int(hp.get("epochs", DEFAULT_EPOCHS))
+    epochs = _epochs(hp)
     tokens, minutes = estimate(settings, train, epochs)
     _admit(session, settings, tid, tokens, minutes)
     job = FineTuningJob(tenant_id=tid, training_file=train.id, validation_file=val.id if val else None,

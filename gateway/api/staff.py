@@ -1,0 +1,122 @@
+"""Staff access routes.
+
+- /v1/staff/...: operators (staff, sysadmin): tenant metadata, their access requests, and
+  the only routes that serve tenant content to them, each checking the grant at every
+  request and auditing the decision before a byte leaves.
+- /v1/access-requests, /v1/audit: tenants list requests for their resources, their
+  admin approves, denies or revokes, and everyone in the tenant reads its audit trail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.access import Policy
+from gateway.api.deps import NowDep, PrincipalDep, SessionDep, SettingsDep, access
+from gateway.api.jobs import event_object
+from gateway.models import DataFile
+from gateway.services import files as files_svc
+from gateway.services import staff as svc
+
+router = APIRouter(tags=["staff"])
+STAFF, GRANT = [access(Policy.STAFF)], [access(Policy.STAFF_GRANT)]
+TENANT, TENANT_ADMIN = [access(Policy.TENANT)], [access(Policy.TENANT_ADMIN)]
+
+
+class NewRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tenant: Annotated[str, Field(min_length=1, max_length=24)]
+    resource: Annotated[str, Field(min_length=3, max_length=60)]
+    reason: Annotated[str, Field(min_length=1, max_length=1000)]
+    duration: Annotated[str, Field(max_length=12)] | Annotated[int, Field(ge=1)] = "2h"
+
+
+# ------------------------------------------------------------------ operators
+@router.get("/v1/staff/tenants/{tenant}/{kind}", dependencies=STAFF)
+def tenant_metadata(tenant: str, kind: Literal["jobs", "files"], request: Request, session: SessionDep,
+                    principal: PrincipalDep, now: NowDep) -> dict[str, Any]:
+    """Metadata only: ids, states, sizes, timings, Slurm ids, errors (audited)."""
+    data = svc.tenant_metadata(session=session, engine=request.app.state.engine, principal=principal,
+                               tenant=tenant, kind=kind, now=now)
+    return {"object": "list", "data": data}
+
+
+@router.post("/v1/staff/access-requests", dependencies=STAFF, status_code=201)
+def create_request(body: NewRequest, session: SessionDep, principal: PrincipalDep, now: NowDep) -> dict[str, Any]:
+    req = svc.request_access(session=session, principal=principal, tenant=body.tenant, resource=body.resource,
+                             reason=body.reason, duration=body.duration, now=now)
+    return svc.request_object(req, body.tenant, now)
+
+
+@router.get("/v1/staff/access-requests", dependencies=STAFF)
+def own_requests(session: SessionDep, principal: PrincipalDep, now: NowDep) -> dict[str, Any]:
+    rows = svc.list_own_requests(session=session, principal=principal)
+    names = svc.tenant_names(session=session, ids={r.tenant_id for r in rows})
+    return {"object": "list", "data": [svc.request_object(r, names.get(r.tenant_id), now) for r in rows]}
+
+
+def _stream(path: Any, size: int) -> StreamingResponse:
+    def chunks() -> Iterator[bytes]:
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                yield block
+
+    return StreamingResponse(chunks(), media_type="application/octet-stream",
+                             headers={"content-length": str(size), "cache-control": "no-store"})
+
+
+@router.get("/v1/staff/files/{file_id}/content", dependencies=GRANT)
+def file_content(file_id: str, request: Request, session: SessionDep,
+                 settings: SettingsDep, principal: PrincipalDep, now: NowDep) -> StreamingResponse:
+    """A dataset or result file, under an active grant for file:ID."""
+    tenant, row = svc.check_grant(session=session, engine=request.app.state.engine, principal=principal,
+                                  kind="file", rid=file_id, action="read.file_content", now=now)
+    assert isinstance(row, DataFile)
+    return _stream(files_svc.file_path(settings, tenant, row), row.bytes)
+
+
+@router.get("/v1/staff/jobs/{job_id}/results/{file_id}", dependencies=GRANT)
+def job_result(job_id: str, file_id: str, request: Request, session: SessionDep, settings: SettingsDep,
+               principal: PrincipalDep, now: NowDep) -> StreamingResponse:
+    """A result file (adapter, eval, metrics) of a job, under an active grant for job:ID."""
+    tenant, job = svc.check_grant(session=session, engine=request.app.state.engine, principal=principal,
+                                  kind="job", rid=job_id, action="read.job_result", now=now)
+    row = svc.job_result_file(session=session, job=job, file_id=file_id)  # type: ignore[arg-type]
+    return _stream(files_svc.file_path(settings, tenant, row), row.bytes)
+
+
+@router.get("/v1/staff/jobs/{job_id}/events", dependencies=GRANT)
+def job_events(job_id: str, request: Request, session: SessionDep, principal: PrincipalDep, now: NowDep,
+               limit: int = Query(100, ge=1, le=1000)) -> dict[str, Any]:
+    """A job's event log, newest first, under an active grant for job:ID."""
+    _, job = svc.check_grant(session=session, engine=request.app.state.engine, principal=principal,
+                             kind="job", rid=job_id, action="read.job_events", now=now)
+    rows = svc.job_events(session=session, job=job, limit=limit)  # type: ignore[arg-type]
+    return {"object": "list", "data": [event_object(e) for e in rows], "has_more": len(rows) == limit}
+
+
+# -------------------------------------------------------------------- tenants
+@router.get("/v1/access-requests", dependencies=TENANT)
+def tenant_requests(session: SessionDep, principal: PrincipalDep, now: NowDep) -> dict[str, Any]:
+    rows = svc.list_tenant_requests(session=session, principal=principal)
+    return {"object": "list", "data": [svc.request_object(r, principal.tenant_name, now) for r in rows]}
+
+
+@router.post("/v1/access-requests/{request_id}/{action}", dependencies=TENANT_ADMIN)
+def decide(request_id: str, action: Literal["approve", "deny", "revoke"], session: SessionDep,
+           principal: PrincipalDep, now: NowDep) -> dict[str, Any]:
+    req = svc.decide_request(session=session, principal=principal, request_id=request_id, action=action, now=now)
+    return svc.request_object(req, principal.tenant_name, now)
+
+
+@router.get("/v1/audit", dependencies=TENANT)
+def tenant_audit(session: SessionDep, principal: PrincipalDep, after: int | None = Query(None, ge=1, le=2**31 - 1),
+                 limit: int = Query(100, ge=1, le=1000)) -> dict[str, Any]:
+    """Audit entries about this tenant's resources (requests, decisions, reads), newest first."""
+    rows = svc.tenant_audit(session=session, principal=principal, after=after, limit=limit)
+    return {"object": "list", "data": [svc.audit_object(e) for e in rows], "has_more": len(rows) == limit}

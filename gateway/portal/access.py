@@ -1,0 +1,37 @@
+"""Staff access page for tenants: requests for their resources, the admin's approve/deny/revoke
+forms (CSRF-checked), and the tenant's audit trail."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Form, Request, Response
+from fastapi.responses import RedirectResponse
+
+from gateway.access import Policy
+from gateway.api.deps import SessionDep, now_for
+from gateway.models import Role
+from gateway.portal.session import check_csrf
+from gateway.portal.web import PortalRoute, UserDep, portal_access, render
+from gateway.services import staff as svc
+
+router = APIRouter(prefix="/portal/access", route_class=PortalRoute, include_in_schema=False)
+
+
+@router.get("", dependencies=[portal_access(Policy.TENANT)])
+def access_page(request: Request, session: SessionDep, user: UserDep, done: str | None = None) -> Response:
+    now = now_for(request, session)
+    reqs = svc.list_tenant_requests(session=session, principal=user.principal)
+    entries = svc.tenant_audit(session=session, principal=user.principal, after=None, limit=50)
+    return render(request, "access.html", user=user, done=done, now=now,
+                  requests=[svc.request_object(r, user.principal.tenant_name, now) for r in reqs],
+                  entries=entries, can_decide=user.principal.role is Role.TENANT_ADMIN)
+
+
+@router.post("/{request_id}/{action}", dependencies=[portal_access(Policy.TENANT_ADMIN)])
+def decide(request_id: str, action: Literal["approve", "deny", "revoke"], request: Request, session: SessionDep,
+           user: UserDep, csrf: Annotated[str, Form(max_length=100)] = "") -> Response:
+    check_csrf(user.csrf, csrf)
+    svc.decide_request(session=session, principal=user.principal, request_id=request_id, action=action,
+                       now=now_for(request, session))
+    return RedirectResponse(f"/portal/access?done={action}", status_code=303)

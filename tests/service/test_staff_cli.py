@@ -1,0 +1,67 @@
+"""`finetune staff|access|audit` against the gateway app: request, approve, read, audit, revoke."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+from click.testing import CliRunner
+
+from gateway.cli import main
+from gateway.config import get_settings
+from gateway.models import Role
+from tests.service.conftest import TENANT_A, TENANT_B, Gateway
+from tests.service.test_staff_access import World, world  # noqa: F401 - the fixture
+
+pytestmark = pytest.mark.service
+
+
+@pytest.fixture
+def finetune(gw: Gateway, monkeypatch: pytest.MonkeyPatch) -> Any:
+    def request(method: str, url: str, **kw: Any) -> httpx.Response:
+        kw.pop("timeout", None)
+        return gw.client.request(method, url, **kw)
+
+    monkeypatch.setattr(httpx, "request", request)
+
+    def run(token: str, *args: str) -> tuple[int, str]:
+        get_settings.cache_clear()
+        try:
+            res = CliRunner().invoke(main, list(args), env={"SFT_API_URL": "http://testserver",
+                                                            "SFT_API_TOKEN": token})
+        finally:
+            get_settings.cache_clear()
+        return res.exit_code, res.output
+
+    return run
+
+
+def test_request_approve_read_audit_revoke(world: World, finetune: Any) -> None:  # noqa: F811
+    w = world
+    staff = w.token("staff", Role.STAFF)
+    code, out = finetune(staff, "staff", "request", "--tenant", TENANT_A, "--resource", f"job:{w.job}",
+                         "--reason", "NaN loss, ticket 7", "--duration", "2h", "--json")
+    assert code == 0, out
+    req = json.loads(out)["id"]
+    code, out = finetune(w.tokens["admin-a"], "access", "list")
+    assert code == 0 and req in out and "pending" in out and "NaN loss" in out
+    code, out = finetune(w.gw.tokens[TENANT_A], "access", "approve", req)
+    assert code == 1 and "403" in out, "members cannot approve"
+    code, out = finetune(w.tokens["admin-b"], "access", "approve", req)
+    assert code == 1 and "404" in out, "another tenant's admin cannot see it"
+    code, out = finetune(w.tokens["admin-a"], "access", "approve", req)
+    assert code == 0 and "active" in out, out
+    code, out = finetune(staff, "staff", "list")
+    assert code == 0 and req in out and "active" in out
+    assert w.gw.client.get(f"/v1/staff/jobs/{w.job}/events", headers=w.h("staff")).status_code == 200
+    code, out = finetune(w.gw.tokens[TENANT_A], "audit", "list")
+    assert code == 0 and "read.job_events" in out and "access.approve" in out and "allowed" in out
+    code, out = finetune(w.gw.tokens[TENANT_B], "audit", "list", "--json")
+    assert code == 0 and json.loads(out) == []
+    code, out = finetune(w.tokens["admin-a"], "access", "revoke", req)
+    assert code == 0 and "revoked" in out
+    assert w.gw.client.get(f"/v1/staff/jobs/{w.job}/events", headers=w.h("staff")).status_code == 403
+    code, out = finetune(staff, "files", "list")
+    assert code == 1 and "403" in out, "tenant commands refuse staff tokens"
