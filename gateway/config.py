@@ -27,6 +27,7 @@ class Settings(BaseSettings):
     max_seq_len: int = 2048
     default_model: str | None = "tiny-chat"   # tokenizer for upload checks when none is named
     max_reported_errors: int = 100
+    token_cache_s: float = 2.0                # a revoked token stops working within this time
     # Jobs: admission control, estimates, cancellation, publication.
     max_active_jobs_per_tenant: int = 20
     max_tokens_per_job: int = 200_000_000

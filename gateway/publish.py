@@ -127,15 +127,17 @@ def temp_dir(artifacts_root: Path, job_id: str) -> Path:
     return artifacts_root / f".pub-{job_id}-{secrets.token_hex(4)}"
 
 
-def stale_entries(artifacts_root: Path, referenced: set[str], *, now: float, min_age_s: float) -> list[Path]:
-    """What a publication interrupted by a crash left in ``artifacts_root``: hidden temp dirs
-    (``.pub-*``) and artifact dirs no file row points at, untouched for ``min_age_s`` (a
-    publication in flight elsewhere is younger). Never visible through the API; only space."""
+
+def stale_temp_dirs(artifacts_root: Path, *, now: float, min_age_s: float) -> list[Path]:
+    """Hidden ``.pub-*`` build dirs of publications a crash cut short, untouched for
+    ``min_age_s`` (one in flight elsewhere is younger). Never visible through the API; only
+    space. Published ``art-*`` dirs are never touched here: a DB restored from an older
+    backup must not turn newer results into garbage."""
     if not artifacts_root.is_dir():
         return []
     out = []
     for entry in artifacts_root.iterdir():
-        if entry.name in referenced or not (entry.name.startswith(".pub-") or entry.name.startswith("art-")):
+        if not entry.name.startswith(".pub-"):
             continue
         try:
             age = now - entry.lstat().st_mtime

@@ -113,15 +113,10 @@ class Reconciler:
         return stats
 
     def _sweep_artifacts(self, s: Session) -> None:
-        """Remove what publications cut short by a crash left behind (see publish.stale_entries)."""
-        referenced: dict[int, set[str]] = {}
-        for tid, path in s.exec(select(DataFile.tenant_id, DataFile.path).where(
-                col(DataFile.path).like("artifacts/%"), col(DataFile.deleted_at).is_(None))):
-            referenced.setdefault(tid, set()).add(str(path).split("/")[1])
+        """Remove the temp dirs of publications cut short by a crash (see publish.stale_temp_dirs)."""
         for tenant in s.exec(select(Tenant)):
             root = self.settings.tenant_dir(tenant.name) / "artifacts"
-            for entry in publish.stale_entries(root, referenced.get(tenant.id or -1, set()), now=time.time(),
-                                               min_age_s=SWEEP_MIN_AGE_S):
+            for entry in publish.stale_temp_dirs(root, now=time.time(), min_age_s=SWEEP_MIN_AGE_S):
                 log.warning("removing %s: left by a publication that did not finish", entry)
                 shutil.rmtree(entry, ignore_errors=True)
 

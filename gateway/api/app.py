@@ -75,6 +75,9 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
     app.state.engine = make_engine(settings.database_url)
     if run_migrations:
         migrate(app.state.engine)
+    from gateway.api.deps import PrincipalCache
+
+    app.state.principals = PrincipalCache(settings.token_cache_s) if settings.token_cache_s > 0 else None
     app.state.slurm = slurm
     app.state.submitter = Submitter(settings, slurm) if slurm is not None else None
     app.state.reconciler = Reconciler(app.state.engine, settings, slurm, app.state.submitter) \

@@ -10,6 +10,7 @@ from fastapi.responses import StreamingResponse
 
 from gateway.access import Policy
 from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep, access
+from gateway.api.fastjson import FastJSON
 from gateway.models import DataFile
 from gateway.services import ServiceError, TooLarge
 from gateway.services import files as svc
@@ -63,16 +64,16 @@ async def create_file(request: Request, session: SessionDep, settings: SettingsD
 def list_files(session: SessionDep, principal: PrincipalDep, purpose: str | None = None,
                after: str | None = Query(None, pattern=FILE_ID),
                limit: int = Query(10000, ge=1, le=10000),
-               order: Literal["asc", "desc"] = "desc") -> dict[str, Any]:
+               order: Literal["asc", "desc"] = "desc") -> FastJSON:
     rows, more = svc.list_files(session=session, principal=principal, purpose=purpose,
                                 after=after, limit=limit, order=order)
-    return {"object": "list", "data": [file_object(r) for r in rows], "has_more": more,
-            "first_id": rows[0].id if rows else None, "last_id": rows[-1].id if rows else None}
+    return FastJSON({"object": "list", "data": [file_object(r) for r in rows], "has_more": more,
+                     "first_id": rows[0].id if rows else None, "last_id": rows[-1].id if rows else None})
 
 
 @router.get("/{file_id}")
-def retrieve_file(file_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
-    return file_object(svc.get_file(session=session, principal=principal, file_id=file_id))
+def retrieve_file(file_id: str, session: SessionDep, principal: PrincipalDep) -> FastJSON:
+    return FastJSON(file_object(svc.get_file(session=session, principal=principal, file_id=file_id)))
 
 
 @router.get("/{file_id}/content")

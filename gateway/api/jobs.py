@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.access import Policy
 from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep, access
+from gateway.api.fastjson import FastJSON
 from gateway.jobstate import JobState
 from gateway.models import FineTuningJob, JobCheckpoint, JobEvent
 from gateway.services import ServiceError
@@ -110,17 +111,17 @@ def create_job(body: CreateJob, request: Request, session: SessionDep, settings:
 
 @router.get("")
 def list_jobs(session: SessionDep, principal: PrincipalDep, after: str | None = Query(None, pattern=JOB_ID),
-              limit: int = Query(20, ge=1, le=100)) -> dict[str, Any]:
+              limit: int = Query(20, ge=1, le=100)) -> FastJSON:
     rows, more = svc.list_jobs(session=session, principal=principal, after=after, limit=limit)
     assert principal.tenant_name is not None
-    return {"object": "list", "data": [job_object(j, principal.tenant_name) for j in rows], "has_more": more}
+    return FastJSON({"object": "list", "data": [job_object(j, principal.tenant_name) for j in rows], "has_more": more})
 
 
 @router.get("/{job_id}")
-def retrieve_job(job_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
+def retrieve_job(job_id: str, session: SessionDep, principal: PrincipalDep) -> FastJSON:
     job = svc.get_job(session=session, principal=principal, job_id=job_id)
     assert principal.tenant_name is not None
-    return job_object(job, principal.tenant_name)
+    return FastJSON(job_object(job, principal.tenant_name))
 
 
 @router.post("/{job_id}/cancel")
@@ -137,16 +138,16 @@ def cancel_job(job_id: str, request: Request, session: SessionDep, principal: Pr
 @router.get("/{job_id}/events")
 def list_events(job_id: str, session: SessionDep, principal: PrincipalDep,
                 after: str | None = Query(None, pattern=r"^ftevent-\d{1,18}$"),
-                limit: int = Query(20, ge=1, le=1000)) -> dict[str, Any]:
+                limit: int = Query(20, ge=1, le=1000)) -> FastJSON:
     cursor = int(after.removeprefix("ftevent-")) if after else None
     rows, more = svc.list_events(session=session, principal=principal, job_id=job_id, after=cursor, limit=limit)
-    return {"object": "list", "data": [event_object(e) for e in rows], "has_more": more}
+    return FastJSON({"object": "list", "data": [event_object(e) for e in rows], "has_more": more})
 
 
 @router.get("/{job_id}/checkpoints")
 def list_checkpoints(job_id: str, session: SessionDep, principal: PrincipalDep,
-                     limit: int = Query(10, ge=1, le=100)) -> dict[str, Any]:
+                     limit: int = Query(10, ge=1, le=100)) -> FastJSON:
     job = svc.get_job(session=session, principal=principal, job_id=job_id)
     rows = svc.list_checkpoints(session=session, principal=principal, job_id=job_id)[:limit]
-    return {"object": "list", "data": [checkpoint_object(c, job) for c in rows], "has_more": False,
-            "first_id": rows[0].id if rows else None, "last_id": rows[-1].id if rows else None}
+    return FastJSON({"object": "list", "data": [checkpoint_object(c, job) for c in rows], "has_more": False,
+                     "first_id": rows[0].id if rows else None, "last_id": rows[-1].id if rows else None})
