@@ -123,7 +123,10 @@ class Reconciler:
     def _recover_submissions(self, s: Session) -> None:
         """Jobs recorded but never handed to Slurm (the gateway died between its commit and
         sbatch): adopt the Slurm job if sbatch did run (found by name), else submit again."""
-        cutoff = utcnow() - timedelta(seconds=self.settings.submission_grace_s)
+        # A request may still be inside Submitter (sacctmgr, then sbatch: each up to slurm_timeout_s):
+        # recovering before those could end would submit the job a second time.
+        in_flight = 2 * self.settings.slurm_timeout_s + 5
+        cutoff = utcnow() - timedelta(seconds=max(self.settings.submission_grace_s, in_flight))
         lost = list(s.exec(select(FineTuningJob).where(
             FineTuningJob.status == JobState.VALIDATING_FILES.value,
             col(FineTuningJob.slurm_job_id).is_(None), col(FineTuningJob.created_at) < cutoff)))

@@ -67,12 +67,17 @@ def write_complete_dir(final: str | Path, files: Mapping[str, bytes], mode: int 
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(mode=0o700)
-    for name, data in files.items():
-        if "/" in name or name in {"", ".", "..", COMPLETE}:
-            raise CheckpointError(f"invalid file name {name!r} in {final.name}")
-        write_durable(tmp / name, data, mode)
-    write_durable(tmp / COMPLETE, b"", mode)
-    fsync_dir(tmp)
+    try:
+        for name, data in files.items():
+            if "/" in name or name in {"", ".", "..", COMPLETE}:
+                raise CheckpointError(f"invalid file name {name!r} in {final.name}")
+            write_durable(tmp / name, data, mode)
+        write_durable(tmp / COMPLETE, b"", mode)
+        fsync_dir(tmp)
+    except BaseException:
+        # e.g. ENOSPC: free the space at once (the failure event must still fit), never leave half a dir
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     os.replace(tmp, final)
     fsync_dir(final.parent)
     return final

@@ -12,6 +12,7 @@ SIGTERM -> finish the step, checkpoint, exit 143, never COMPLETE.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -450,13 +451,28 @@ def run_job(spec: JobSpec, attempt: int, fast_exit: bool = True) -> int:
         log.error("%s: %s", type(e).__name__, e)
         recipe.events.emit("failed", reason=reason, error=type(e).__name__, message=str(e))
     except Exception as e:  # noqa: BLE001 - the message may quote data: log the type only
-        log.error("internal error %s (message withheld: it may quote data)", type(e).__name__)
-        import traceback
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            _storage_full(recipe)
+        else:
+            log.error("internal error %s (message withheld: it may quote data)", type(e).__name__)
+            import traceback
 
-        log.error("".join(traceback.format_tb(e.__traceback__)))
-        recipe.events.emit("failed", reason="internal", error=type(e).__name__)
+            log.error("".join(traceback.format_tb(e.__traceback__)))
+            recipe.events.emit("failed", reason="internal", error=type(e).__name__)
     recipe.cleanup()
     return code
+
+
+def _storage_full(recipe: Recipe) -> None:
+    """Say why (ENOSPC/EDQUOT) in a failure event; the half-written checkpoint is already gone."""
+    log.error("no space left in the job directory")
+    try:
+        recipe.events.emit("failed", reason="internal", error="StorageFull",
+                           message="the job's storage is full (no space left on device): free space or raise "
+                                   "the quota and submit again; it resumes from the last complete checkpoint "
+                                   f"(step {max(recipe.last_checkpoint_step, 0)})")
+    except OSError:
+        log.error("the failure event did not fit either")
 
 
 def _stop(recipe: Recipe, s: Stop) -> int:

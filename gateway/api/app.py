@@ -109,7 +109,8 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(error_body(str(e.detail), type_="invalid_request_error",
-                                       code=str(e.status_code)), status_code=e.status_code)
+                                       code=str(e.status_code)), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))   # e.g. a 405's Allow
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception) -> JSONResponse:

@@ -41,7 +41,7 @@ class CreateJob(BaseModel):
     seed: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = \
         Field(default=None, max_length=16)
-    integrations: list[Any] | None = None
+    integrations: Annotated[list[Any], Field(max_length=16)] | None = None   # accepted, not used
 
 
 def _ts(dt: Any) -> int | None:

@@ -118,8 +118,11 @@ def list_files(*, session: Session, principal: Principal, purpose: str | None = 
 def get_file(*, session: Session, principal: Principal, file_id: str) -> DataFile:
     """The tenant's live file ``file_id``; NotFound for a missing or foreign one alike."""
     tenant_id, _ = _tenant(principal)
-    row = session.get(DataFile, file_id) if len(file_id) <= 40 else None
-    if row is None or row.tenant_id != tenant_id or row.deleted_at is not None:
+    # scoped in SQL: a foreign row is never loaded, so "foreign" costs exactly what "missing" does
+    row = session.exec(select(DataFile).where(DataFile.id == file_id, DataFile.tenant_id == tenant_id,
+                                              col(DataFile.deleted_at).is_(None))).first() \
+        if len(file_id) <= 40 else None
+    if row is None:
         raise NotFound(f"no such file: {file_id}", param="file_id")
     return row
 

@@ -108,8 +108,10 @@ def _tenant_id(principal: Principal) -> int:
 def get_job(*, session: Session, principal: Principal, job_id: str) -> FineTuningJob:
     """The tenant's job; NotFound for a missing or foreign id alike."""
     tid = _tenant_id(principal)
-    job = session.get(FineTuningJob, job_id) if len(job_id) <= 40 else None
-    if job is None or job.tenant_id != tid:
+    # scoped in SQL: a foreign row is never loaded, so "foreign" costs exactly what "missing" does
+    job = session.exec(select(FineTuningJob).where(FineTuningJob.id == job_id, FineTuningJob.tenant_id == tid)
+                       ).first() if len(job_id) <= 40 else None
+    if job is None:
         raise NotFound(f"no such fine-tuning job: {job_id}", param="fine_tuning_job_id")
     return job
 
