@@ -70,7 +70,9 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
             app.state.reconciler.stop.set()
             thread.join(10)
 
-    app = FastAPI(title="slurm-finetune gateway", version="0.1.0", lifespan=lifespan)
+    from gateway.api.errors import COMMON_ERRORS, strip_422
+
+    app = FastAPI(title="slurm-finetune gateway", version="0.1.0", lifespan=lifespan, responses=COMMON_ERRORS)
     app.state.settings = settings
     app.state.engine = make_engine(settings.database_url)
     if run_migrations:
@@ -125,6 +127,14 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
 
     if undeclared := undeclared_routes(app):   # tests/unit/test_access_policy.py fails on these
         log.error("routes without an access policy (gateway.access): %s", ", ".join(undeclared))
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = strip_422(default_openapi())
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
 
 

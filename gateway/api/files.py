@@ -32,7 +32,10 @@ def file_object(row: DataFile) -> dict[str, Any]:
     }
 
 
-@router.post("", status_code=200)
+@router.post("", openapi_extra={"requestBody": {"required": True, "content": {"multipart/form-data": {
+    "schema": {"type": "object", "required": ["file", "purpose"], "properties": {
+        "file": {"type": "string", "format": "binary"},
+        "purpose": {"type": "string", "enum": ["fine-tune"]}}}}}}}, status_code=200)
 async def create_file(request: Request, session: SessionDep, settings: SettingsDep,
                       principal: PrincipalDep, model: str | None = Query(None, max_length=100)) -> dict[str, Any]:
     """Upload a chat JSONL dataset (multipart: ``file``, ``purpose=fine-tune``, optional ``model``)."""
@@ -53,6 +56,9 @@ async def create_file(request: Request, session: SessionDep, settings: SettingsD
     if up.fields.get("purpose") != "fine-tune":
         up.discard()
         raise ServiceError("purpose must be 'fine-tune'", param="purpose")
+    if len(up.fields.get("model", "")) > 100:
+        up.discard()
+        raise ServiceError("model must be at most 100 characters", param="model")
     assert up.tmp_path is not None and up.report is not None and up.filename is not None
     row = svc.store_upload(session=session, settings=settings, principal=principal,
                            filename=up.filename, tmp_path=up.tmp_path, sha256=up.sha256,

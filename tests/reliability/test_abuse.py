@@ -314,9 +314,6 @@ def _schemathesis(gw: LiveGateway, tmp: Path, checks: str, examples: int = 30, m
                           cwd=tmp)
 
 
-@pytest.mark.xfail(strict=True, reason="defects in gateway/api/app.py and the route declarations (not ours to edit): "
-                   "error statuses (400/401/404/409/413/429/507) are not in the OpenAPI document and "
-                   "POST /v1/files declares no multipart body; proposed fixes in RELIABILITY.md")
 def test_schemathesis_openapi_declares_what_the_api_answers(gw: LiveGateway, tmp_path: Path) -> None:
     res = _schemathesis(gw, tmp_path, "status_code_conformance,unsupported_method,positive_data_acceptance",
                         examples=5, max_time=30, extra=("--max-failures", "1"))
