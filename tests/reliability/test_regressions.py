@@ -45,7 +45,6 @@ def test_epochs_that_are_not_whole_numbers_are_a_400_not_a_500() -> None:
 
 def test_a_validator_crash_at_finish_leaves_no_temp_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
     # found by test_abuse.py: an exception in token counting (finish) left .upload-*.tmp behind
-    import asyncio
 
     import pytest
 
@@ -70,7 +69,7 @@ def test_a_validator_crash_at_finish_leaves_no_temp_file(tmp_path) -> None:  # t
         yield data
 
     with pytest.raises(TypeError):
-        asyncio.run(receive(stream(), f"multipart/form-data; boundary={bnd}", dest_dir=tmp_path, limit=1 << 20,
+        _run(receive(stream(), f"multipart/form-data; boundary={bnd}", dest_dir=tmp_path, limit=1 << 20,
                             make_validator=lambda f: Validator(max_seq_len=64, min_examples=1, counter=Boom())))
     assert list(tmp_path.iterdir()) == []
 
@@ -129,7 +128,6 @@ def test_gateway_killed_before_spec_json_resubmits_from_the_row(tmp_path, monkey
 def test_short_writes_never_truncate_an_upload(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     # found by test_faults_disk.py: os.write's return value was ignored; on a filling disk a short
     # write kept a truncated file recorded with the full size and sha256, status "processed"
-    import asyncio
     import hashlib
     import os
 
@@ -146,7 +144,7 @@ def test_short_writes_never_truncate_an_upload(tmp_path, monkeypatch) -> None:  
     async def stream():  # type: ignore[no-untyped-def]
         yield data
 
-    up = asyncio.run(uploads.receive(stream(), f"multipart/form-data; boundary={bnd}", dest_dir=tmp_path,
+    up = _run(uploads.receive(stream(), f"multipart/form-data; boundary={bnd}", dest_dir=tmp_path,
                                      limit=1 << 20, make_validator=lambda f: Validator(max_seq_len=64,
                                                                                        min_examples=1)))
     assert up.tmp_path is not None
@@ -209,3 +207,13 @@ def test_recovery_never_races_a_submission_still_in_flight(tmp_path) -> None:  #
     with Session(engine) as s:
         row = s.get(FineTuningJob, jid)
         assert row is not None and row.status == "validating_files" and calls == []
+
+
+def _run(coro):  # type: ignore[no-untyped-def]
+    """asyncio.run in a fresh thread: an earlier test (playwright's sync API) may leave an
+    event loop running in this one."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
