@@ -14,6 +14,7 @@ from sqlmodel import Session
 
 from gateway.access import OPERATOR_ROLES, Policy, admits, declares, refusal
 from gateway.config import Settings
+from gateway.db import session_scope
 from gateway.services import Forbidden, ServiceError
 from gateway.services.tokens import Principal, authenticate
 
@@ -33,13 +34,9 @@ async def get_settings(request: Request) -> Settings:
 
 
 async def get_session(request: Request) -> AsyncIterator[Session]:
-    with Session(request.app.state.engine, expire_on_commit=False) as session:
-        try:
-            yield session
-            session.commit()
-        except BaseException:
-            session.rollback()
-            raise
+    """One session per request: committed when the route succeeds, rolled back otherwise."""
+    with session_scope(request.app.state.engine) as session:
+        yield session
 
 
 class PrincipalCache:
