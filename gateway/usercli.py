@@ -529,16 +529,20 @@ def staff_request(tenant: str, resource: str, reason: str, duration: str, as_jso
                f"`finetune access approve {obj['id']}`")
 
 
-@staff.command("list")
-@click.option("--json", "as_json", is_flag=True)
-def staff_list(as_json: bool) -> None:
-    """Your access requests and their state now (pending, active, expired, denied, revoked)."""
-    data = call("GET", "/v1/staff/access-requests").json()["data"]
+def _print_requests(path: str, as_json: bool) -> None:
+    data = call("GET", path).json()["data"]
     if as_json:
         _echo_json(data)
         return
     for r in data:
         click.echo(_request_line(r))
+
+
+@staff.command("list")
+@click.option("--json", "as_json", is_flag=True)
+def staff_list(as_json: bool) -> None:
+    """Your access requests and their state now (pending, active, expired, denied, revoked)."""
+    _print_requests("/v1/staff/access-requests", as_json)
 
 
 @click.group("access")
@@ -550,12 +554,7 @@ def access() -> None:
 @click.option("--json", "as_json", is_flag=True)
 def access_list(as_json: bool) -> None:
     """Every access request for your resources, newest first."""
-    data = call("GET", "/v1/access-requests").json()["data"]
-    if as_json:
-        _echo_json(data)
-        return
-    for r in data:
-        click.echo(_request_line(r))
+    _print_requests("/v1/access-requests", as_json)
 
 
 def _decide(request_id: str, action: str, as_json: bool) -> None:

@@ -276,21 +276,14 @@ def make_tiny(out_dir: str | Path, seed: int = 0) -> Path:
 # --------------------------------------------------------------------- SmolLM2 from a wheel
 
 # SmolLM2's own template (default system prompt included) plus generation marks.
-SMOLLM2_TEMPLATE = (
+SMOLLM2_TEMPLATE = CHATML_TEMPLATE.replace(
+    "{% for message in messages %}",
     "{% for message in messages %}"
     "{% if loop.first and messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
     "<|im_end|>\n' }}"
-    "{% endif %}"
-    "{% if message['role'] == 'assistant' %}"
-    "{{ '<|im_start|>assistant\n' }}"
-    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
-    "{{ '\n' }}"
-    "{% else %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{% endif %}",
+    1,
 )
 _TEMPLATE_PROBE = [
     {"role": "user", "content": "a"},

@@ -14,7 +14,6 @@ from gateway.api.fastjson import FastJSON
 from gateway.models import DataFile
 from gateway.services import ServiceError, TooLarge
 from gateway.services import files as svc
-from gateway.tokencount import counter_for
 from gateway.uploads import receive
 from gateway.validation import Validator
 
@@ -46,9 +45,7 @@ async def create_file(request: Request, session: SessionDep, settings: SettingsD
 
     def make_validator(fields: dict[str, str]) -> Validator:
         chosen["model"] = model or fields.get("model") or settings.default_model
-        return Validator(max_seq_len=settings.max_seq_len, min_examples=settings.min_examples,
-                         max_errors=settings.max_reported_errors, max_line_bytes=settings.max_line_bytes,
-                         counter=counter_for(settings.models_root, chosen["model"]))
+        return svc.upload_validator(settings, chosen["model"])
 
     up = await receive(request.stream(), request.headers.get("content-type", ""),
                        dest_dir=svc.dataset_dir(settings, principal),

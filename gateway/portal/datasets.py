@@ -16,7 +16,6 @@ from gateway.portal.session import CSRF_FIELD, CSRF_HEADER, check_csrf
 from gateway.portal.web import PortalRoute, UserDep, portal_access, render, wants_json
 from gateway.services import NotFound, TooLarge
 from gateway.services import files as svc
-from gateway.tokencount import counter_for
 from gateway.uploads import receive
 from gateway.validation import Validator
 
@@ -61,9 +60,7 @@ async def upload(request: Request, session: SessionDep, settings: SettingsDep, u
         chosen["model"] = fields.get("model") or settings.default_model
         if chosen["model"] and chosen["model"] not in catalog_names(settings):
             chosen["model"] = settings.default_model
-        return Validator(max_seq_len=settings.max_seq_len, min_examples=settings.min_examples,
-                         max_errors=settings.max_reported_errors, max_line_bytes=settings.max_line_bytes,
-                         counter=counter_for(settings.models_root, chosen["model"]))
+        return svc.upload_validator(settings, chosen["model"])
 
     up = await receive(request.stream(), request.headers.get("content-type", ""),
                        dest_dir=svc.dataset_dir(settings, user.principal),

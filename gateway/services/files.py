@@ -14,6 +14,7 @@ from gateway.config import Settings
 from gateway.models import DataFile, FileStatus, FineTuningJob, utcnow
 from gateway.services import Conflict, Forbidden, NotFound
 from gateway.services.tokens import Principal
+from gateway.validation import Validator
 
 log = logging.getLogger(__name__)
 ACTIVE_JOB_STATES = ("validating_files", "queued", "running", "publishing", "cancelling")
@@ -52,6 +53,15 @@ def file_path(settings: Settings, tenant_name: str, row: DataFile) -> Path:
     if row.path:   # result files: relative to the tenant dir
         return settings.tenant_dir(tenant_name) / row.path
     return settings.tenant_dir(tenant_name) / "datasets" / f"{row.sha256}.jsonl"
+
+
+def upload_validator(settings: Settings, model: str | None) -> Validator:
+    """The streaming validator for an upload, with ``model``'s tokenizer when it has one."""
+    from gateway.tokencount import counter_for
+
+    return Validator(max_seq_len=settings.max_seq_len, min_examples=settings.min_examples,
+                     max_errors=settings.max_reported_errors, max_line_bytes=settings.max_line_bytes,
+                     counter=counter_for(settings.models_root, model))
 
 
 def _summary(report: dict[str, Any]) -> str | None:
