@@ -161,7 +161,18 @@ def tenant_list(as_json: bool) -> None:
 
 @admin.group()
 def token() -> None:
-    """API tokens."""
+    """API tokens. Every mint and revocation of a tenant's token is in that tenant's audit log."""
+
+
+def _token_db():  # type: ignore[no-untyped-def]
+    from gateway import audit
+    from gateway.db import make_engine, migrate
+
+    settings = get_settings()
+    engine = make_engine(settings.database_url)
+    migrate(engine)
+    audit.use_key_file(engine, settings.audit_key_file)
+    return engine
 
 
 @token.command("create")
@@ -172,44 +183,93 @@ def token() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object holding the token.")
 @friendly_errors
 def token_create(tenant_name: str | None, role: str, name: str, as_json: bool) -> None:
-    """Create an API token. It is printed once and stored only as a hash."""
-    from gateway.db import make_engine, migrate, session_scope
-    from gateway.models import Role
-    from gateway.services.tenants import get_tenant
-    from gateway.services.tokens import create_token
+    """Create an API token. It is printed once and stored only as a hash.
 
-    engine = make_engine(get_settings().database_url)
-    migrate(engine)
-    with session_scope(engine) as session:
+    The tenant's audit log records it, minted by "local admin CLI (uid N)". A tenant_admin
+    token minted here decides no staff access request until its holder claims it with
+    `finetune tokens rotate` (which also revokes this copy).
+    """
+    from gateway.db import session_scope
+    from gateway.models import Role
+    from gateway.services.staff import db_now
+    from gateway.services.tenants import get_tenant
+    from gateway.services.tokens import create_token, local_admin
+
+    with session_scope(_token_db()) as session:
         tenant = get_tenant(session=session, name=tenant_name) if tenant_name else None
-        secret, row = create_token(session=session, role=Role(role), tenant=tenant, name=name)
-    out = {"token": secret, "id": row.id, "role": role, "tenant": tenant_name, "name": name}
-    click.echo(json.dumps(out) if as_json else f"token (shown once): {secret}")
+        secret, row = create_token(session=session, role=Role(role), tenant=tenant, name=name,
+                                   minted_by=local_admin(), now=db_now(session))
+    out = {"token": secret, "id": row.id, "role": role, "tenant": tenant_name, "name": name,
+           "minted_by": row.minted_by, "minted_by_operator": row.minted_by_operator}
+    if as_json:
+        click.echo(json.dumps(out))
+        return
+    click.echo(f"token #{row.id} (shown once): {secret}")
+    if role == "tenant_admin":
+        click.echo(f"  it decides no staff access request until {tenant_name}'s admin claims it: "
+                   "`finetune tokens rotate` (the new token replaces this one)")
+
+
+@token.command("revoke")
+@click.argument("token_id", type=click.IntRange(1, 2**31 - 1))
+@click.option("--json", "as_json", is_flag=True)
+@friendly_errors
+def token_revoke(token_id: int, as_json: bool) -> None:
+    """Revoke token TOKEN_ID (its tenant's audit log records it)."""
+    from gateway.db import session_scope
+    from gateway.models import ApiToken
+    from gateway.services.staff import db_now
+    from gateway.services.tokens import local_admin, revoke_token, token_object
+
+    with session_scope(_token_db()) as session:
+        before = session.get(ApiToken, token_id)
+        already = before is not None and before.revoked_at is not None
+        out = token_object(revoke_token(session=session, token_id=token_id, revoked_by=local_admin(),
+                                        now=db_now(session)))
+    if as_json:
+        click.echo(json.dumps(out))
+    else:
+        click.echo(f"token #{token_id}: " + ("was already revoked" if already else "revoked"))
+
+
+def _mount_token_commands() -> None:
+    from gateway.usercli import tokens
+
+    main.add_command(tokens)
+
+
+_mount_token_commands()
 
 
 @admin.group("audit")
 def audit_group() -> None:
-    """The hash-chained audit log of staff access."""
+    """The hash-chained audit log of staff access, anchored by an HMAC key outside the database."""
 
 
 @audit_group.command("verify")
+@click.option("--key-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="The anchor key (default: SFT_AUDIT_KEY_FILE, the one the gateway signs with).")
 @click.option("--json", "as_json", is_flag=True, help="Print the verdict as JSON.")
 @friendly_errors
-def audit_verify(as_json: bool) -> None:
-    """Check every entry's hash and link, and the head; exit 1 naming the first broken entry."""
-    from gateway.audit import verify
-    from gateway.db import make_engine, migrate
+def audit_verify(key_file: Path | None, as_json: bool) -> None:
+    """Check every entry's hash and link, the head, and the head's HMAC under the key file.
 
-    engine = make_engine(get_settings().database_url)
-    migrate(engine)
-    verdict = verify(engine)
+    Exit 0: intact. Exit 1: tampering found (the first broken entry, or the head: newest
+    entries deleted, head rewritten without the key). Exit 2: the chain is consistent but
+    the anchor could not be checked (no usable key file here): not verified.
+    """
+    from gateway.audit import UNCHECKED, verify
+
+    settings = get_settings()
+    verdict = verify(_token_db(), key_file=key_file or settings.audit_key_file)
     if as_json:
         click.echo(json.dumps({"ok": verdict.ok, "entries": verdict.entries, "head": verdict.head_hash,
-                               "broken_seq": verdict.broken_seq, "problem": verdict.problem}))
+                               "broken_seq": verdict.broken_seq, "problem": verdict.problem,
+                               "anchor": verdict.anchor, "key_id": verdict.key_id}))
     else:
         click.echo(verdict.message())
     if not verdict.ok:
-        sys.exit(1)
+        sys.exit(2 if verdict.anchor == UNCHECKED else 1)
 
 
 @admin.group()
@@ -288,8 +348,10 @@ def serve(host: str, port: int, workers: int, log_level: str) -> None:
     import uvicorn
 
     from gateway.api.app import create_app
+    from gateway.privsep import become_service_user
 
     settings = get_settings()
+    become_service_user(settings)      # root: state dir + storage broker, then drop for good
     if workers == 1:
         uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
         return
@@ -324,7 +386,11 @@ def _reconciler(settings):  # type: ignore[no-untyped-def]
 @friendly_errors
 def reconcile(once: bool) -> None:
     """Run the reconciler alone (when the API runs elsewhere or with several workers)."""
-    rec = _reconciler(get_settings())
+    from gateway.privsep import become_service_user
+
+    settings = get_settings()
+    become_service_user(settings)
+    rec = _reconciler(settings)
     if rec is None:
         sys.exit(1)
     if once:
@@ -333,6 +399,19 @@ def reconcile(once: bool) -> None:
                    f"{stats.published} published" + (f", errors: {stats.errors}" if stats.errors else ""))
         return
     rec.run()
+
+
+@main.command("broker")
+@click.option("--socket", "socket_path", type=click.Path(path_type=Path), default=None,
+              help="Unix socket (default: SFT_BROKER_SOCKET).")
+def broker(socket_path: Path | None) -> None:
+    """Run the storage broker (root): tenant-storage verbs as the tenant, for the gateway's
+    service user only. `finetune serve` started as root starts one itself when none answers."""
+    from gateway.storage.broker import main as broker_main
+
+    settings = get_settings()
+    broker_main(["--socket", str(socket_path or settings.broker_socket_path),
+                 "--allow-user", settings.service_user])
 
 
 @main.command("demo")

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-DEFAULT_DB = "sqlite:////var/lib/slurm-finetune/gateway.db"
+STATE_DIR = Path("/var/lib/slurm-finetune/gateway")      # 0700, owned by the service user
+DEFAULT_DB = f"sqlite:///{STATE_DIR}/gateway.db"
 
 
 class Settings(BaseSettings):
@@ -16,6 +17,11 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SFT_", extra="forbid")
 
     storage_root: Path = Path("/srv/slurm-finetune")
+    # Privilege separation: the API and reconciler run as this user (started as root they drop
+    # to it); tenant storage is reached only through the storage broker, as the tenant's uid.
+    service_user: str = "sft-gateway"
+    state_dir: Path = STATE_DIR
+    broker_socket: Path = Path("/run/slurm-finetune/broker-v1.sock")
     runtime_prefix: Path = Path("/opt/slurm-finetune")
     parent_account: str = "finetune"
     database_url: str = DEFAULT_DB
@@ -27,7 +33,14 @@ class Settings(BaseSettings):
     max_seq_len: int = 2048
     default_model: str | None = "tiny-chat"   # tokenizer for upload checks when none is named
     max_reported_errors: int = 100
+    # Any other request body (JSON, forms) is capped here; over it: 413 (gateway/api/limits.py).
+    max_json_bytes: int = 1024 * 1024
+    # The portal cookie's Secure flag: "auto" (under TLS only), "always" (behind a TLS proxy), "never".
+    cookie_secure: str = "auto"
     token_cache_s: float = 2.0                # a revoked token stops working within this time
+    # HMAC key anchoring the audit chain's head outside the database (0600, made on first use);
+    # every gateway sharing a database needs the same file, and `finetune admin audit verify` too.
+    audit_key_file: Path = Path("/var/lib/slurm-finetune/gateway/audit.key")
     # Jobs: admission control, estimates, cancellation, publication.
     max_active_jobs_per_tenant: int = 20
     max_tokens_per_job: int = 200_000_000
@@ -66,8 +79,9 @@ class Settings(BaseSettings):
     def models_root(self) -> Path:
         return self.catalog_root or self.storage_root / "models"
 
-    def tenant_dir(self, tenant: str) -> Path:
-        return self.storage_root / "tenants" / tenant
+    @property
+    def broker_socket_path(self) -> Path:
+        return self.broker_socket
 
 
 @lru_cache(maxsize=1)

@@ -6,6 +6,7 @@ The schema is created and upgraded only by Alembic migrations
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,7 +24,7 @@ def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            _private_db_file(Path(path))
         engine = sa.create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
         @sa.event.listens_for(engine, "connect")
@@ -38,6 +39,31 @@ def make_engine(url: str) -> Engine:
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
     return sa.create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+
+
+def _private_db_file(path: Path) -> None:
+    """All tenants' metadata and the audit log live here: the file is created 0600 (its WAL and
+    SHM files inherit that mode) in a 0700 directory when this process makes them, and a file of
+    ours that others can read is tightened."""
+    if not path.parent.exists():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return          # SQLite reports it with the path when it opens it
+    try:
+        st = os.fstat(fd)
+        if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+            os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+    for suffix in ("-wal", "-shm"):
+        side = path.with_name(path.name + suffix)
+        try:
+            if side.stat().st_uid == os.geteuid() and side.stat().st_mode & 0o077:
+                os.chmod(side, 0o600)
+        except OSError:
+            pass
 
 
 def migrate(engine: Engine) -> None:

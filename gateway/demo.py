@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from gateway.config import Settings
+from gateway.services.jobs import job_dir
 
 TENANT = "demo"
 MODEL = "tiny-chat"
@@ -171,7 +172,7 @@ def run_demo(settings: Settings, echo: Callable[[str], None] = print) -> int:
     server.should_exit = True
     echo(f"[7/7] done in {time.monotonic() - t_start:.0f}s; node cleanup: {job['cleanup']}")
     echo(f"      adapter (PEFT):   {adapter}\n      results:          {out}\n"
-         f"      job dir (tenant): {settings.tenant_dir(TENANT) / 'jobs' / job['id']}\n"
+         f"      job dir (tenant): {job_dir(settings, TENANT, job['id'])}\n"
          f"      gateway DB:       {settings.database_url}\n"
          f"      try:  SFT_API_URL=<url> SFT_API_TOKEN=<token> finetune jobs list")
     return 0

@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import pwd
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy.engine import Engine
@@ -29,9 +25,11 @@ from gateway import publish
 from gateway.config import Settings
 from gateway.jobstate import Event, FailReason, JobState, from_slurm
 from gateway.models import DataFile, FineTuningJob, JobCheckpoint, Tenant, new_id, utcnow
-from gateway.services.jobs import StaleJob, add_event, apply_event, job_dir, update_fields
+from gateway.services import Conflict, ServiceError
+from gateway.services.jobs import StaleJob, add_event, apply_event, update_fields
 from gateway.slurm.client import JobStatus, SlurmClient
 from gateway.slurm.runner import SlurmError
+from gateway.storage import layout, storage_for
 
 log = logging.getLogger(__name__)
 WATCHED = (JobState.QUEUED, JobState.RUNNING, JobState.PUBLISHING, JobState.CANCELLING)
@@ -59,6 +57,7 @@ class Reconciler:
 
     def __init__(self, engine: Engine, settings: Settings, client: SlurmClient, submitter: Any = None):
         self.engine, self.settings, self.client, self.submitter = engine, settings, client, submitter
+        self.storage = storage_for(settings)
         self.stop = threading.Event()
         self._cancelling: set[int] = set()
         self._next_sweep = 0.0
@@ -91,10 +90,12 @@ class Reconciler:
                 states = self.client.states([j.slurm_job_id for j in jobs if j.slurm_job_id])
                 stats.slurm_calls = 1
                 tenants = {t.id: t for t in s.exec(select(Tenant))}
+                events = self._read_events(jobs, tenants)
                 for job in jobs:
                     assert job.slurm_job_id is not None
                     try:
-                        if self._one(s, job, tenants[job.tenant_id], states[job.slurm_job_id]):
+                        if self._one(s, job, tenants[job.tenant_id], states[job.slurm_job_id],
+                                     events.get(job.id, b"")):
                             stats.changed += 1
                         if job.status == JobState.SUCCEEDED:
                             stats.published += 1
@@ -112,13 +113,30 @@ class Reconciler:
                 self._sweep_artifacts(s)
         return stats
 
+    def _read_events(self, jobs: list[FineTuningJob], tenants: dict[int | None, Tenant]) -> dict[str, bytes]:
+        """New trainer events of every active job: ONE broker request per tenant per cycle."""
+        by_tenant: dict[int, dict[str, int]] = {}
+        for job in jobs:
+            by_tenant.setdefault(job.tenant_id, {})[job.id] = job.events_offset
+        out: dict[str, bytes] = {}
+        for tid, offsets in by_tenant.items():
+            try:
+                out.update(self.storage.tenant(tenants[tid].name).read_events(offsets))
+            except ServiceError as e:
+                log.warning("tenant %s: trainer events unreadable this cycle: %s", tenants[tid].name, e.message)
+        return out
+
     def _sweep_artifacts(self, s: Session) -> None:
-        """Remove the temp dirs of publications cut short by a crash (see publish.stale_temp_dirs)."""
+        """Remove temp names of publications and uploads cut short by a crash (hidden ``.pub-*``
+        dirs and ``.upload-*.tmp`` files older than any in flight; published dirs are never touched:
+        a DB restored from an older backup must not turn newer results into garbage)."""
         for tenant in s.exec(select(Tenant)):
-            root = self.settings.tenant_dir(tenant.name) / "artifacts"
-            for entry in publish.stale_temp_dirs(root, now=time.time(), min_age_s=SWEEP_MIN_AGE_S):
-                log.warning("removing %s: left by a publication that did not finish", entry)
-                shutil.rmtree(entry, ignore_errors=True)
+            try:
+                if n := self.storage.tenant(tenant.name).sweep(SWEEP_MIN_AGE_S):
+                    log.warning("tenant %s: removed %d leftovers of interrupted publications/uploads",
+                                tenant.name, n)
+            except ServiceError as e:
+                log.warning("tenant %s: sweep failed: %s", tenant.name, e.message)
 
     def _recover_submissions(self, s: Session) -> None:
         """Jobs recorded but never handed to Slurm (the gateway died between its commit and
@@ -155,14 +173,23 @@ class Reconciler:
                 s.rollback()
 
     def _saved_spec(self, s: Session, job: FineTuningJob, tenant: Tenant) -> dict[str, Any] | None:
-        """The spec written before sbatch, else one rebuilt from the job's row (the gateway can die
-        between committing the row and writing spec.json); None if the job can no longer run."""
-        try:
-            spec = json.loads((job_dir(self.settings, tenant.name, job.id) / "spec.json").read_text())
-            if isinstance(spec, dict):
-                return spec
-        except (OSError, ValueError):
-            pass
+        """The spec to submit again, rebuilt from the job's row (the gateway's record); None if the
+        job can no longer run. A spec.json left in tenant storage is untrusted (the tenant can
+        rewrite it): it is parsed, validated and compared, and a mismatch is logged, never used."""
+        spec = self._rebuilt_spec(s, job, tenant)
+        if spec is not None:
+            from gateway.services.jobs import saved_spec_matches
+
+            try:
+                saved = self.storage.tenant(tenant.name).read_spec(job.id)
+            except ServiceError:
+                saved = None
+            if saved is not None and not saved_spec_matches(saved, spec):
+                log.warning("job %s: the spec.json in tenant storage differs from the gateway's "
+                            "record; submitting the recorded spec", job.id)
+        return spec
+
+    def _rebuilt_spec(self, s: Session, job: FineTuningJob, tenant: Tenant) -> dict[str, Any] | None:
         from gateway.models import Role
         from gateway.services import ServiceError
         from gateway.services.jobs import _catalog_entry, job_spec
@@ -182,9 +209,9 @@ class Reconciler:
             return None
 
     # ------------------------------------------------------------- per job
-    def _one(self, s: Session, job: FineTuningJob, tenant: Tenant, st: JobStatus) -> bool:
+    def _one(self, s: Session, job: FineTuningJob, tenant: Tenant, st: JobStatus, events: bytes) -> bool:
         before = job.status
-        self._ingest_events(s, job, tenant)
+        self._ingest_events(s, job, events)
         node = (st.queue.nodes if st.queue else None) or (st.acct.nodes if st.acct else None)
         if node and (job.progress or {}).get("node") != node:
             update_fields(s, job, progress={**(job.progress or {}), "node": node}, slurm_state=st.state)
@@ -245,14 +272,9 @@ class Reconciler:
         threading.Thread(target=work, name=f"cancel-{slurm_id}", daemon=True).start()
 
     # -------------------------------------------------------------- events
-    def _ingest_events(self, s: Session, job: FineTuningJob, tenant: Tenant) -> None:
-        path = job_dir(self.settings, tenant.name, job.id) / "events.jsonl"
-        try:
-            with open(path, "rb") as f:
-                f.seek(job.events_offset)
-                data = f.read(4 << 20)
-        except FileNotFoundError:
-            return
+    def _ingest_events(self, s: Session, job: FineTuningJob, data: bytes) -> None:
+        """Apply the complete lines of ``data`` (events.jsonl from the job's offset: written by the
+        tenant's job, so untrusted: a line that is not a JSON object is skipped)."""
         end = data.rfind(b"\n")
         if end < 0:
             return
@@ -262,6 +284,8 @@ class Reconciler:
             try:
                 ev = json.loads(line)
             except ValueError:
+                continue
+            if not isinstance(ev, dict):
                 continue
             self._one_event(s, job, ev, progress, changes)
         changes["progress"] = progress
@@ -317,30 +341,32 @@ class Reconciler:
 
     # ---------------------------------------------------------- publication
     def _publish(self, s: Session, job: FineTuningJob, tenant: Tenant) -> None:
-        jdir = job_dir(self.settings, tenant.name, job.id)
-        staging = jdir / "attempts" / str(job.attempt) / "staging"
+        """Verify and build as the tenant (broker ``publish_build``), record the rows and the
+        transition, rename the build dir into place, commit; on any failure remove it again."""
+        store = self.storage.tenant(tenant.name)
         try:
-            publish.verify_staging(staging, attempt=job.attempt, model_digest=job.model_digest)
-            evaluation = json.loads((staging / "eval.json").read_text())
-            refused = publish.eval_gate(evaluation, self.settings.eval_gate, self.settings.eval_gate_tolerance)
+            built = store.publish_build(job.id, job.attempt, job.model_digest)
+            evaluation = built.get("evaluation")
+            refused = publish.eval_gate(evaluation if isinstance(evaluation, dict) else {},
+                                        self.settings.eval_gate, self.settings.eval_gate_tolerance)
             if refused:
+                store.remove([(layout.ARTIFACTS, built["name"])])
                 raise publish.PublishError(refused)
-        except publish.PublishError as e:
-            apply_event(s, job, Event.ERROR, level="error", message=f"Publication refused: {e}",
-                        error={"code": "publication_refused", "message": str(e), "param": None,
+            results = publish.check_results(built.get("results"))
+        except (publish.PublishError, Conflict) as e:
+            msg = e.message if isinstance(e, Conflict) else str(e)
+            apply_event(s, job, Event.ERROR, level="error", message=f"Publication refused: {msg}",
+                        error={"code": "publication_refused", "message": msg, "param": None,
                                "reason": FailReason.INTERNAL.value},
                         finished_at=utcnow(), cleanup="pending")
             return
-        artifacts = self.settings.tenant_dir(tenant.name) / "artifacts"
-        tmp = publish.temp_dir(artifacts, job.id)
         aid = new_id("art")
-        final = artifacts / aid
+        committed = False
         try:
-            results = publish.build_results(staging, tmp, job.id)
             rows = []
             for name, (size, sha) in results.items():
                 row = DataFile(tenant_id=job.tenant_id, filename=f"{job.id}-{name}", purpose="fine-tune-results",
-                               bytes=size, sha256=sha, status="processed", path=f"artifacts/{aid}/{name}",
+                               bytes=size, sha256=sha, status="processed", path=layout.result_path(aid, name),
                                job_id=job.id)
                 s.add(row)
                 rows.append(row)
@@ -348,13 +374,16 @@ class Reconciler:
             apply_event(s, job, Event.PUBLISHED, message="The job has successfully completed",
                         fine_tuned_model=fine_tuned_model_name(job, tenant.name),
                         result_files=[r.id for r in rows], finished_at=utcnow(), cleanup="pending")
-            _own(tmp, tenant.unix_user)
-            os.replace(tmp, final)
+            store.publish_commit(built["name"], aid)
+            committed = True
             s.commit()
         except BaseException:
             s.rollback()
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.rmtree(final, ignore_errors=True)
+            try:
+                store.remove([(layout.ARTIFACTS, built["name"])] +
+                             ([layout.artifact(aid)] if committed else []))
+            except ServiceError:
+                pass     # the sweep removes a leftover build dir later
             raise
 
     # -------------------------------------------------------------- cleanup
@@ -382,16 +411,3 @@ class Reconciler:
                 s.commit()
             except StaleJob:
                 s.rollback()
-
-
-def _own(path: Path, unix_user: str | None) -> None:
-    """Hand the published results to the tenant's unix user (root gateways only)."""
-    if os.geteuid() != 0 or not unix_user:
-        return
-    try:
-        pw = pwd.getpwnam(unix_user)
-    except KeyError:
-        return
-    for p in [path, *path.rglob("*")]:
-        os.chown(p, pw.pw_uid, pw.pw_gid)
-    os.chown(path.parent, pw.pw_uid, pw.pw_gid)

@@ -9,10 +9,11 @@ from typing import Any
 
 from gateway.config import Settings
 from gateway.models import FineTuningJob
-from gateway.services.jobs import pick_qos, write_spec
+from gateway.services.jobs import pick_qos
 from gateway.slurm.admin import Admin, unix_user_for
 from gateway.slurm.client import SlurmClient
 from gateway.slurm.render import JobScript
+from gateway.storage import TenantRunner, storage_for
 
 Submit = Callable[[FineTuningJob, dict[str, Any], str], tuple[int, str]]
 
@@ -40,7 +41,8 @@ class Submitter:
     def __call__(self, job: FineTuningJob, spec: dict[str, Any], tenant: str) -> tuple[int, str]:
         user = unix_user_for(tenant)
         qos = pick_qos(self.allowed_qos(tenant), job.time_limit_min or 60)
-        spec_path = write_spec(self.settings, user, spec)
+        store = storage_for(self.settings).tenant(tenant)
+        spec_path = store.write_spec(job.id, spec)       # as the tenant, through the broker
         script = JobScript(
             job_name=job.id, account=tenant, qos=qos, job_dir=spec["job_dir"],
             command=(str(self.settings.runtime_python), "-m", "trainer", "run", str(spec_path)),
@@ -48,4 +50,6 @@ class Submitter:
             time_limit_min=job.time_limit_min or 60, grace_s=self.settings.signal_grace_s,
             partition=self.settings.slurm_partition,
             env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
-        return self.client.submit(script, user=user), qos
+        if self.settings.ssh_host:   # off-cluster: the login node's root account submits with --uid
+            return self.client.submit(script, user=user), qos
+        return self.client.submit(script, runner=TenantRunner(store)), qos

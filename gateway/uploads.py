@@ -1,8 +1,10 @@
 """Receive a multipart upload as a stream: bytes go to a temp file in the tenant's
 storage while they are hashed, counted against the limit and validated line by line.
 
-Nothing is buffered whole in memory; a body over the limit is cut off at the limit
-and its temp file removed.
+The temp file is created by the storage broker as the tenant (``upload_begin``) and
+only its file descriptor comes here: the gateway never opens a path in tenant
+storage. Nothing is buffered whole in memory; a body over the limit is cut off at
+the limit and its temp file removed.
 """
 
 from __future__ import annotations
@@ -10,15 +12,15 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from gateway.services import ServiceError, StorageFull, TooLarge
+from gateway.storage import TenantStorage
+from gateway.storage import Upload as StoredUpload
 from gateway.validation import LineSplitter, Validator
 
 MAX_FIELD_BYTES = 1024
@@ -29,15 +31,25 @@ FILE_FIELD = "file"
 class Upload:
     fields: dict[str, str] = field(default_factory=dict)
     filename: str | None = None
-    tmp_path: Path | None = None
+    stored: StoredUpload | None = None     # the temp file in the tenant's storage (its fd, its name)
+    store: TenantStorage | None = None
     size: int = 0
     sha256: str = ""
     report: dict[str, Any] | None = None
 
+    def close_fd(self) -> None:
+        if self.stored is not None and self.stored.fd >= 0:
+            os.close(self.stored.fd)
+            self.stored.fd = -1
+
     def discard(self) -> None:
-        if self.tmp_path is not None:
-            self.tmp_path.unlink(missing_ok=True)
-            self.tmp_path = None
+        self.close_fd()
+        if self.stored is not None and self.store is not None:
+            try:
+                self.store.upload_abort(self.stored)
+            except ServiceError:
+                pass     # the sweep removes it later
+            self.stored = None
 
 
 def clean_filename(raw: bytes) -> str:
@@ -56,9 +68,9 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 class _Receiver:
-    def __init__(self, dest_dir: Path, limit: int, make_validator: Callable[[dict[str, str]], Validator]):
-        self.dest_dir, self.limit, self.make_validator = dest_dir, limit, make_validator
-        self.up = Upload()
+    def __init__(self, store: TenantStorage, limit: int, make_validator: Callable[[dict[str, str]], Validator]):
+        self.store, self.limit, self.make_validator = store, limit, make_validator
+        self.up = Upload(store=store)
         self.headers: dict[bytes, bytes] = {}
         self.hname = b""
         self.hvalue = b""
@@ -88,11 +100,11 @@ class _Receiver:
         _, params = parse_options_header(self.headers.get(b"content-disposition", b""))
         self.part = params.get(b"name", b"").decode("utf-8", errors="replace")
         if self.part == FILE_FIELD:
-            if self.up.tmp_path is not None:
+            if self.up.stored is not None:
                 raise ServiceError("more than one `file` part in the upload", param="file")
             self.up.filename = clean_filename(params.get(b"filename", b"upload.jsonl"))
-            self.up.tmp_path = self.dest_dir / f".upload-{secrets.token_hex(8)}.tmp"
-            self.fd = os.open(self.up.tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            self.up.stored = self.store.upload_begin()
+            self.fd = self.up.stored.fd
             self.splitter = LineSplitter(self.make_validator(self.up.fields))
         else:
             self.value = bytearray()
@@ -102,8 +114,8 @@ class _Receiver:
         if self.part != FILE_FIELD:
             self.value += chunk
             if len(self.value) > MAX_FIELD_BYTES:
-                raise ServiceError(f"form field {self.part!r} is longer than {MAX_FIELD_BYTES} bytes",
-                                   param=self.part)
+                raise TooLarge(f"form field {self.part!r} is longer than {MAX_FIELD_BYTES} bytes",
+                               param=self.part, code="request_too_large")
             return
         self.up.size += len(chunk)
         if self.up.size > self.limit:
@@ -117,8 +129,6 @@ class _Receiver:
     def on_part_end(self) -> None:
         if self.part == FILE_FIELD:
             os.fsync(self.fd)
-            os.close(self.fd)
-            self.fd = -1
             self.file_done = True
         elif self.part:
             self.up.fields[self.part] = self.value.decode("utf-8", errors="replace")
@@ -132,21 +142,22 @@ class _Receiver:
             "on_headers_finished", "on_part_data", "on_part_end", "on_end")}
 
 
-async def receive(stream: AsyncIterator[bytes], content_type: str, *, dest_dir: Path,
+async def receive(stream: AsyncIterator[bytes], content_type: str, *, store: TenantStorage,
                   limit: int, make_validator: Callable[[dict[str, str]], Validator]) -> Upload:
-    """Parse a multipart body from ``stream``. Raises ServiceError (400/413/415);
-    on any error the temp file is gone."""
+    """Parse a multipart body from ``stream`` into a temp file of ``store``. Raises
+    ServiceError (400/413/415); on any error the temp file is gone. The caller commits the
+    returned upload (``services.files.store_upload``) or discards it."""
     ctype, params = parse_options_header(content_type)
     if ctype != b"multipart/form-data" or not params.get(b"boundary"):
         raise ServiceError("send the file as multipart/form-data (fields: file, purpose)",
                            code="unsupported_media_type")
-    rx = _Receiver(dest_dir, limit, make_validator)
+    rx = _Receiver(store, limit, make_validator)
     parser = MultipartParser(params[b"boundary"], rx.callbacks())  # type: ignore[arg-type]
     try:
         async for chunk in stream:
             parser.write(chunk)
         parser.finalize()
-        if not rx.ended or (rx.up.tmp_path is not None and not rx.file_done):
+        if not rx.ended or (rx.up.stored is not None and not rx.file_done):
             raise ServiceError("the multipart body is truncated")
     except ServiceError:
         _abort(rx)
@@ -160,7 +171,7 @@ async def receive(stream: AsyncIterator[bytes], content_type: str, *, dest_dir: 
     except Exception as e:  # python-multipart's parse errors, client disconnects
         _abort(rx)
         raise ServiceError(f"malformed multipart body: {type(e).__name__}") from e
-    if rx.up.tmp_path is None:
+    if rx.up.stored is None:
         raise ServiceError("no `file` part in the upload", param="file")
     assert rx.splitter is not None
     rx.up.sha256 = rx.hasher.hexdigest()
@@ -173,7 +184,5 @@ async def receive(stream: AsyncIterator[bytes], content_type: str, *, dest_dir: 
 
 
 def _abort(rx: _Receiver) -> None:
-    if rx.fd >= 0:
-        os.close(rx.fd)
-        rx.fd = -1
+    rx.fd = -1
     rx.up.discard()

@@ -29,6 +29,17 @@ if [ ${#missing[@]} -gt 0 ]; then
     apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
+# The control plane's own unprivileged identity: `finetune serve` / `reconcile` run as it
+# (started as root they drop to it). Tenant storage is reached only through the storage
+# broker, as the tenant's uid; this user owns just the gateway's state dir.
+SERVICE_USER="${SFT_SERVICE_USER:-sft-gateway}"
+if ! id -u "$SERVICE_USER" >/dev/null 2>&1; then
+    useradd --system --user-group --no-create-home --home-dir /nonexistent \
+        --shell /usr/sbin/nologin "$SERVICE_USER"
+fi
+install -d -m 0755 /var/lib/slurm-finetune
+install -d -m 0700 -o "$SERVICE_USER" -g "$SERVICE_USER" /var/lib/slurm-finetune/gateway
+
 install -d -m 0755 "$PREFIX"
 if [ ! -x "$VENV/bin/python" ]; then
     echo "bootstrap: creating the job runtime venv at $VENV (from /usr/bin/python3)"

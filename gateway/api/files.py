@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
@@ -48,7 +47,7 @@ async def create_file(request: Request, session: SessionDep, settings: SettingsD
         return svc.upload_validator(settings, chosen["model"])
 
     up = await receive(request.stream(), request.headers.get("content-type", ""),
-                       dest_dir=svc.dataset_dir(settings, principal),
+                       store=svc.tenant_storage(settings, principal),
                        limit=settings.max_upload_bytes, make_validator=make_validator)
     if up.fields.get("purpose") != "fine-tune":
         up.discard()
@@ -56,10 +55,8 @@ async def create_file(request: Request, session: SessionDep, settings: SettingsD
     if len(up.fields.get("model", "")) > 100:
         up.discard()
         raise ServiceError("model must be at most 100 characters", param="model")
-    assert up.tmp_path is not None and up.report is not None and up.filename is not None
-    row = svc.store_upload(session=session, settings=settings, principal=principal,
-                           filename=up.filename, tmp_path=up.tmp_path, sha256=up.sha256,
-                           size=up.size, report=up.report, model=chosen.get("model"))
+    row = svc.store_upload(session=session, settings=settings, principal=principal, upload=up,
+                           model=chosen.get("model"))
     return file_object(row)
 
 
@@ -84,14 +81,7 @@ def file_content(file_id: str, session: SessionDep, settings: SettingsDep,
                  principal: PrincipalDep) -> StreamingResponse:
     row = svc.get_file(session=session, principal=principal, file_id=file_id)
     assert principal.tenant_name is not None
-    path = svc.file_path(settings, principal.tenant_name, row)
-
-    def chunks() -> Iterator[bytes]:
-        with open(path, "rb") as f:
-            while block := f.read(1 << 20):
-                yield block
-
-    return StreamingResponse(chunks(), media_type="application/jsonl",
+    return StreamingResponse(svc.stream_file(settings, principal.tenant_name, row), media_type="application/jsonl",
                              headers={"content-length": str(row.bytes)})
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from datetime import datetime
 from typing import Any
 
@@ -11,9 +10,10 @@ from sqlmodel import col, select
 
 from gateway.access import Policy
 from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep, access
-from gateway.models import DataFile, FineTuningJob, utcnow
+from gateway.models import FineTuningJob
 from gateway.services import NotFound, ServiceError
-from gateway.services.jobs import _tenant_id, job_dir
+from gateway.services import jobs as jobs_svc
+from gateway.services.jobs import _tenant_id
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
@@ -64,17 +64,5 @@ def delete_model(model_id: str, session: SessionDep, settings: SettingsDep,
         if any(m["id"] == model_id for m in _catalog(settings)):
             raise ServiceError("base models are managed by the administrators", code="forbidden")
         raise NotFound(f"no such model: {model_id}", param="model")
-    assert principal.tenant_name is not None
-    tdir = settings.tenant_dir(principal.tenant_name)
-    for f in session.exec(select(DataFile).where(DataFile.job_id == job.id, col(DataFile.deleted_at).is_(None))):
-        f.deleted_at = utcnow()
-        session.add(f)
-        if f.path:
-            shutil.rmtree((tdir / f.path).parent, ignore_errors=True)
-    jdir = job_dir(settings, principal.tenant_name, job.id)
-    for sub in ("checkpoints", "attempts"):
-        shutil.rmtree(jdir / sub, ignore_errors=True)
-    job.fine_tuned_model = None
-    job.version += 1
-    session.add(job)
+    jobs_svc.delete_model(session=session, settings=settings, principal=principal, job=job)
     return {"id": model_id, "object": "model", "deleted": True}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Form, Request, Response
@@ -14,7 +13,7 @@ from gateway.config import Settings
 from gateway.models import DataFile
 from gateway.portal.session import CSRF_FIELD, CSRF_HEADER, check_csrf
 from gateway.portal.web import PortalRoute, UserDep, portal_access, render, wants_json
-from gateway.services import NotFound, TooLarge
+from gateway.services import TooLarge
 from gateway.services import files as svc
 from gateway.uploads import receive
 from gateway.validation import Validator
@@ -63,12 +62,10 @@ async def upload(request: Request, session: SessionDep, settings: SettingsDep, u
         return svc.upload_validator(settings, chosen["model"])
 
     up = await receive(request.stream(), request.headers.get("content-type", ""),
-                       dest_dir=svc.dataset_dir(settings, user.principal),
+                       store=svc.tenant_storage(settings, user.principal),
                        limit=settings.max_upload_bytes, make_validator=make_validator)
-    assert up.tmp_path is not None and up.report is not None and up.filename is not None
-    row = svc.store_upload(session=session, settings=settings, principal=user.principal,
-                           filename=up.filename, tmp_path=up.tmp_path, sha256=up.sha256,
-                           size=up.size, report=up.report, model=chosen.get("model"))
+    row = svc.store_upload(session=session, settings=settings, principal=user.principal, upload=up,
+                           model=chosen.get("model"))
     url = f"/portal/datasets/{row.id}"
     if wants_json(request):
         return JSONResponse({"id": row.id, "status": row.status, "url": url})
@@ -105,16 +102,8 @@ def download(file_id: str, session: SessionDep, settings: SettingsDep, user: Use
     """A dataset or a job's result file, as an attachment."""
     row = svc.get_file(session=session, principal=user.principal, file_id=file_id)
     assert user.principal.tenant_name is not None
-    path = svc.file_path(settings, user.principal.tenant_name, row)
-    if not path.is_file():
-        raise NotFound(f"the bytes of {row.filename} are no longer in storage", param="file_id")
-
-    def chunks() -> Iterator[bytes]:
-        with open(path, "rb") as f:
-            while block := f.read(1 << 20):
-                yield block
-
+    chunks = svc.stream_file(settings, user.principal.tenant_name, row)
     name = "".join(c for c in row.filename if c.isalnum() or c in "._-") or "download"
     media = "application/jsonl" if name.endswith(".jsonl") else "application/octet-stream"
-    return StreamingResponse(chunks(), media_type=media, headers={
+    return StreamingResponse(chunks, media_type=media, headers={
         "content-length": str(row.bytes), "content-disposition": f'attachment; filename="{name}"'})

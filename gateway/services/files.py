@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import logging
-import os
-import pwd
-from pathlib import Path
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from sqlmodel import Session, col, select
 
@@ -14,7 +12,11 @@ from gateway.config import Settings
 from gateway.models import DataFile, FileStatus, FineTuningJob, utcnow
 from gateway.services import Conflict, Forbidden, NotFound
 from gateway.services.tokens import Principal
+from gateway.storage import TenantStorage, layout, storage_for
 from gateway.validation import Validator
+
+if TYPE_CHECKING:
+    from gateway.uploads import Upload
 
 log = logging.getLogger(__name__)
 ACTIVE_JOB_STATES = ("validating_files", "queued", "running", "publishing", "cancelling")
@@ -26,33 +28,21 @@ def _tenant(principal: Principal) -> tuple[int, str]:
     return principal.tenant_id, principal.tenant_name
 
 
-def _owner(unix_user: str | None) -> tuple[int, int] | None:
-    """(uid, gid) to own tenant files; None when not root or the user does not exist."""
-    if os.geteuid() != 0 or not unix_user:
-        return None
-    try:
-        pw = pwd.getpwnam(unix_user)
-    except KeyError:
-        log.warning("unix user %s does not exist: files stay owned by the gateway", unix_user)
-        return None
-    return pw.pw_uid, pw.pw_gid
-
-
-def dataset_dir(settings: Settings, principal: Principal) -> Path:
-    """The tenant's datasets dir (0700, tenant-owned), created if needed."""
+def tenant_storage(settings: Settings, principal: Principal) -> TenantStorage:
+    """The tenant's storage verbs (see gateway.storage)."""
     _, name = _tenant(principal)
-    d = settings.tenant_dir(name) / "datasets"
-    d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    owner = _owner(principal.unix_user)
-    if owner:
-        os.chown(d, *owner)
-    return d
+    return storage_for(settings).tenant(name)
 
 
-def file_path(settings: Settings, tenant_name: str, row: DataFile) -> Path:
-    if row.path:   # result files: relative to the tenant dir
-        return settings.tenant_dir(tenant_name) / row.path
-    return settings.tenant_dir(tenant_name) / "datasets" / f"{row.sha256}.jsonl"
+def file_parts(row: DataFile) -> layout.Parts:
+    """Where a file row's bytes are, as layout components (checked)."""
+    return layout.result_file(row.path) if row.path else layout.dataset(row.sha256)
+
+
+def stream_file(settings: Settings, tenant_name: str, row: DataFile) -> Iterator[bytes]:
+    """The bytes of ``row``, opened by the broker as the tenant: a regular file of the tenant's,
+    exactly ``row.bytes`` long, else a clear error and not one byte."""
+    return storage_for(settings).tenant(tenant_name).stream(file_parts(row), row.bytes)
 
 
 def upload_validator(settings: Settings, model: str | None) -> Validator:
@@ -73,38 +63,35 @@ def _summary(report: dict[str, Any]) -> str | None:
     return f"validation failed: {counts}{where}"[:2000]
 
 
-def store_upload(*, session: Session, settings: Settings, principal: Principal, filename: str,
-                 tmp_path: Path, sha256: str, size: int, report: dict[str, Any],
+def store_upload(*, session: Session, settings: Settings, principal: Principal, upload: Upload,
                  model: str | None) -> DataFile:
-    """Publish an uploaded temp file under its sha256 and record it.
+    """Name an uploaded temp file by its sha256 (broker ``upload_commit``) and record it.
 
     An identical live upload of the same tenant is returned instead (deduplicated).
     The status is ``processed`` when validation passed, else ``error``.
     """
     tenant_id, tenant_name = _tenant(principal)
-    existing = session.exec(select(DataFile).where(
-        DataFile.tenant_id == tenant_id, DataFile.sha256 == sha256, col(DataFile.path).is_(None),
-        col(DataFile.deleted_at).is_(None))).first()
-    final = tmp_path.parent / f"{sha256}.jsonl"
-    if existing is not None and final.exists():
-        tmp_path.unlink(missing_ok=True)
-        return existing
-    owner = _owner(principal.unix_user)
-    if owner:
-        os.chown(tmp_path, *owner)
-    os.chmod(tmp_path, 0o600)
-    os.replace(tmp_path, final)
-    dir_fd = os.open(final.parent, os.O_RDONLY)
+    assert upload.stored is not None and upload.store is not None and upload.report is not None
+    report = upload.report
     try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    row = DataFile(tenant_id=tenant_id, filename=filename, bytes=size, sha256=sha256,
+        upload.store.upload_commit(upload.stored, upload.sha256, upload.size)
+    except BaseException:
+        upload.discard()
+        raise
+    upload.close_fd()
+    upload.stored = None
+    existing = session.exec(select(DataFile).where(
+        DataFile.tenant_id == tenant_id, DataFile.sha256 == upload.sha256, col(DataFile.path).is_(None),
+        col(DataFile.deleted_at).is_(None))).first()
+    if existing is not None:
+        return existing
+    row = DataFile(tenant_id=tenant_id, filename=upload.filename or "upload.jsonl", bytes=upload.size,
+                   sha256=upload.sha256,
                    status=FileStatus.PROCESSED if report["ok"] else FileStatus.ERROR,
                    status_details=_summary(report), model=model, validation=report)
     session.add(row)
     session.flush()
-    log.info("file %s stored for tenant %s: %d bytes, status %s", row.id, tenant_name, size,
+    log.info("file %s stored for tenant %s: %d bytes, status %s", row.id, tenant_name, upload.size,
              row.status)
     return row
 
@@ -154,4 +141,4 @@ def delete_file(*, session: Session, settings: Settings, principal: Principal, f
         DataFile.tenant_id == row.tenant_id, DataFile.sha256 == row.sha256,
         col(DataFile.path).is_(None), col(DataFile.deleted_at).is_(None))).first()
     if row.path or not still_used:
-        file_path(settings, tenant_name, row).unlink(missing_ok=True)
+        storage_for(settings).tenant(tenant_name).remove([file_parts(row)])

@@ -11,11 +11,8 @@ import hashlib
 import json
 import logging
 import math
-import os
-import pwd
 from dataclasses import dataclass, field
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -28,6 +25,7 @@ from gateway.models import DataFile, FileStatus, FineTuningJob, JobCheckpoint, J
 from gateway.services import Conflict, NotFound, ServiceError
 from gateway.services.files import get_file
 from gateway.services.tokens import Principal
+from gateway.storage import layout
 
 log = logging.getLogger(__name__)
 
@@ -291,14 +289,15 @@ def _admit(session: Session, settings: Settings, tid: int, tokens: int, minutes:
                            code="limit_exceeded")
 
 
-def job_dir(settings: Settings, tenant: str, job_id: str) -> Path:
-    return settings.tenant_dir(tenant) / "jobs" / job_id
+def job_dir(settings: Settings, tenant: str, job_id: str) -> str:
+    """The job dir's absolute path, as the trainer (running as the tenant) sees it."""
+    return layout.absolute(settings.storage_root, tenant, layout.job(job_id))
 
 
 def job_spec(settings: Settings, principal: Principal, job: FineTuningJob, train: DataFile,
              val: DataFile | None, entry: Any) -> dict[str, Any]:
     """The trainer's spec for ``job``; ServiceError naming the field if it is invalid."""
-    from gateway.services.files import file_path
+    from gateway.services.files import file_parts
     from trainer.errors import SpecError
     from trainer.spec import parse_spec
 
@@ -308,11 +307,12 @@ def job_spec(settings: Settings, principal: Principal, job: FineTuningJob, train
     spec: dict[str, Any] = {
         "job_id": job.id,
         "base_model": {"name": job.model, "digest": entry.digest, "catalog_root": str(settings.models_root)},
-        "train": {"path": str(file_path(settings, principal.tenant_name, train)), "sha256": train.sha256},
-        "validation": ({"path": str(file_path(settings, principal.tenant_name, val)), "sha256": val.sha256}
-                       if val else None),
+        "train": {"path": layout.absolute(settings.storage_root, principal.tenant_name, file_parts(train)),
+                  "sha256": train.sha256},
+        "validation": ({"path": layout.absolute(settings.storage_root, principal.tenant_name, file_parts(val)),
+                        "sha256": val.sha256} if val else None),
         "hyperparameters": hp,
-        "job_dir": str(job_dir(settings, principal.tenant_name, job.id)),
+        "job_dir": job_dir(settings, principal.tenant_name, job.id),
         "checkpoint_every_steps": top.get("checkpoint_every_steps", settings.checkpoint_every_steps),
         **({"keep_checkpoints": top["keep_checkpoints"]} if "keep_checkpoints" in top else {}),
     }
@@ -323,30 +323,22 @@ def job_spec(settings: Settings, principal: Principal, job: FineTuningJob, train
     return spec
 
 
-def write_spec(settings: Settings, unix_user: str | None, spec: dict[str, Any]) -> Path:
-    """Create the job dir (0700, tenant-owned) and write spec.json atomically."""
-    d = Path(spec["job_dir"])
-    d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    owner = None
-    if os.geteuid() == 0 and unix_user:
-        try:
-            pw = pwd.getpwnam(unix_user)
-            owner = (pw.pw_uid, pw.pw_gid)
-        except KeyError:
-            owner = None
-    if owner:
-        os.chown(d.parent, *owner)
-        os.chown(d, *owner)
-    path, tmp = d / "spec.json", d / ".spec.json.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(spec, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    if owner:
-        os.chown(tmp, *owner)
-    os.replace(tmp, path)
-    return path
+def saved_spec_matches(saved: bytes | None, expected: dict[str, Any]) -> bool:
+    """Whether a spec.json read back from tenant storage (untrusted: the tenant can rewrite it) is
+    exactly the spec the gateway would write now: parsed and validated, then compared."""
+    from trainer.errors import SpecError
+    from trainer.spec import parse_spec
+
+    if saved is None or len(saved) > 1 << 20:
+        return False
+    try:
+        spec = json.loads(saved)
+        if not isinstance(spec, dict):
+            return False
+        parse_spec(spec)
+    except (ValueError, SpecError, TypeError):
+        return False
+    return bool(spec == expected and spec.get("job_dir") == expected["job_dir"])
 
 
 def submit_job(*, session: Session, job: FineTuningJob, spec: dict[str, Any], tenant: str,
@@ -393,3 +385,22 @@ def request_cancel(*, session: Session, principal: Principal, job_id: str) -> Fi
             session.rollback()
             session.expire_all()
     raise Conflict(f"job {job_id} is changing state; retry", code="busy")
+
+
+def delete_model(*, session: Session, settings: Settings, principal: Principal, job: FineTuningJob) -> None:
+    """Delete a fine-tuned model: its result files, checkpoints and staging leave the tenant's
+    storage (removed as the tenant, by name beneath its root: a link planted there is removed
+    itself, never followed), and the job no longer names a model."""
+    from gateway.services.files import file_parts
+    from gateway.storage import storage_for
+
+    assert principal.tenant_name is not None and job.tenant_id == principal.tenant_id
+    paths: list[layout.Parts] = []
+    for f in session.exec(select(DataFile).where(DataFile.job_id == job.id, col(DataFile.deleted_at).is_(None))):
+        f.deleted_at = utcnow()
+        session.add(f)
+        if f.path:
+            paths.append(file_parts(f)[:2])          # the whole artifacts/<art id>/ dir
+    paths += [(*layout.job(job.id), "checkpoints"), (*layout.job(job.id), "attempts")]
+    update_fields(session, job, fine_tuned_model=None)
+    storage_for(settings).tenant(principal.tenant_name).remove(sorted(set(paths)))

@@ -87,17 +87,20 @@ class SlurmClient:
         return self.runner.run(argv, timeout=self.timeout, input=input)
 
     # ------------------------------------------------------------- writes
-    def submit(self, job: JobScript, *, user: str | None = None, group: str | None = None) -> int:
-        """Submit ``job``; as unix ``user`` (root gateway: ``--uid``) when given.
+    def submit(self, job: JobScript, *, user: str | None = None, group: str | None = None,
+               runner: Runner | None = None) -> int:
+        """Submit ``job`` with ``--export=NONE`` (the job gets only what its script sets, never the
+        gateway's environment). ``runner`` runs sbatch as the tenant (the storage broker's
+        ``TenantRunner``); without one, a root runner (e.g. over SSH) submits with ``--uid``.
 
         Returns the Slurm job id. Raises SlurmCommandError with sbatch's message
         (e.g. ``Invalid account or account/partition combination specified``).
         """
         script = render_sbatch(job)
-        argv = ["sbatch", "--parsable"]
-        if user is not None:
+        argv = ["sbatch", "--parsable", "--export=NONE"]
+        if user is not None and runner is None:
             argv += ["--uid", validate_unix_name(user), "--gid", validate_unix_name(group or user)]
-        out = self._run(argv, input=script).check().stdout.strip()
+        out = (runner or self.runner).run(argv, input=script, timeout=self.timeout).check().stdout.strip()
         try:
             return int(out.splitlines()[-1].split(";")[0])
         except (ValueError, IndexError) as e:

@@ -20,6 +20,7 @@ from starlette.routing import Mount, Route
 
 from gateway.config import Settings
 from gateway.models import DataFile, FineTuningJob, JobCheckpoint, JobEvent, utcnow
+from gateway.storage.layout import tenant_root
 from tests.reliability.conftest import Served
 from tests.service.conftest import TENANT_A, TENANT_B, Gateway, chat_lines
 
@@ -62,7 +63,7 @@ def _seed_job(gw: Gateway, settings: Settings, fid: str) -> dict[str, str]:
         s.add(job)
         s.flush()
         job.fine_tuned_model = f"ft:tiny-chat:{TENANT_A}:iso:{job.id}"
-        art = settings.tenant_dir(TENANT_A) / "artifacts" / "art-iso"
+        art = tenant_root(settings.storage_root, TENANT_A) / "artifacts" / "art-iso"
         art.mkdir(parents=True)
         (art / "eval.json").write_text(f'{{"note": "{CANARY}"}}')
         result = DataFile(tenant_id=train.tenant_id, filename=f"{job.id}-eval.json", purpose="fine-tune-results",

@@ -68,10 +68,11 @@ def test_a_validator_crash_at_finish_leaves_no_temp_file(tmp_path) -> None:  # t
     async def stream():  # type: ignore[no-untyped-def]
         yield data
 
+    store = _store(tmp_path)
     with pytest.raises(TypeError):
-        _run(receive(stream(), f"multipart/form-data; boundary={bnd}", dest_dir=tmp_path, limit=1 << 20,
+        _run(receive(stream(), f"multipart/form-data; boundary={bnd}", store=store, limit=1 << 20,
                             make_validator=lambda f: Validator(max_seq_len=64, min_examples=1, counter=Boom())))
-    assert list(tmp_path.iterdir()) == []
+    assert list((tmp_path / "tenants" / "regr-nouser" / "datasets").iterdir()) == []
 
 
 def test_gateway_killed_before_spec_json_resubmits_from_the_row(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -144,11 +145,12 @@ def test_short_writes_never_truncate_an_upload(tmp_path, monkeypatch) -> None:  
     async def stream():  # type: ignore[no-untyped-def]
         yield data
 
-    up = _run(uploads.receive(stream(), f"multipart/form-data; boundary={bnd}", dest_dir=tmp_path,
+    up = _run(uploads.receive(stream(), f"multipart/form-data; boundary={bnd}", store=_store(tmp_path),
                                      limit=1 << 20, make_validator=lambda f: Validator(max_seq_len=64,
                                                                                        min_examples=1)))
-    assert up.tmp_path is not None
-    stored = up.tmp_path.read_bytes()
+    assert up.stored is not None
+    stored = (tmp_path / "tenants" / "regr-nouser" / "datasets" / up.stored.name).read_bytes()
+    up.discard()
     assert len(stored) == up.size == len(body) and hashlib.sha256(stored).hexdigest() == up.sha256
 
 
@@ -158,16 +160,25 @@ def test_interrupted_publication_leftovers_are_swept(tmp_path) -> None:  # type:
     import os
     import time
 
-    from gateway.publish import stale_temp_dirs
-
-    root = tmp_path / "artifacts"
-    for name in (".pub-ftjob-1-ab", "art-unreferenced", ".pub-ftjob-2-cd", "unrelated"):
+    store = _store(tmp_path)
+    store.sweep(60)                                           # creates nothing, fails on nothing
+    root = tmp_path / "tenants" / "regr-nouser" / "artifacts"
+    old_pub, young_pub = f".pub-ftjob-{'1' * 24}-abcdef01", f".pub-ftjob-{'2' * 24}-abcdef02"
+    for name in (old_pub, "art-" + "0" * 24, young_pub, "unrelated"):
         (root / name).mkdir(parents=True)
     old = time.time() - 3600
-    for name in (".pub-ftjob-1-ab", "art-unreferenced", "unrelated"):
+    for name in (old_pub, "art-" + "0" * 24, "unrelated"):
         os.utime(root / name, (old, old))
-    found = [p.name for p in stale_temp_dirs(root, now=time.time(), min_age_s=60)]
-    assert found == [".pub-ftjob-1-ab"]        # a young one may be in flight; published dirs are never touched
+    assert store.sweep(60) == 1
+    # a young one may be in flight; published dirs are never touched
+    assert sorted(p.name for p in root.iterdir()) == sorted(["art-" + "0" * 24, young_pub, "unrelated"])
+
+
+def _store(tmp_path):  # type: ignore[no-untyped-def]
+    """Direct-mode tenant storage (the tenant has no unix user: verbs run in-process)."""
+    from gateway.storage import Storage
+
+    return Storage(tmp_path, tmp_path / "no-broker.sock").tenant("regr-nouser")
 
 
 def test_recovery_never_races_a_submission_still_in_flight(tmp_path) -> None:  # type: ignore[no-untyped-def]

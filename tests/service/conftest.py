@@ -94,12 +94,36 @@ def ensure_unix_user(name: str) -> None:
                         name], check=True)
 
 
+def tenant_storage_root() -> Iterator[Path]:
+    """A storage root tenants can traverse (pytest's tmp is under root's 0700 dir): the storage
+    broker opens it as each tenant's uid, exactly as on a real cluster."""
+    root = Path(tempfile.mkdtemp(prefix="sft-svc-", dir="/var/tmp"))
+    os.chmod(root, 0o755)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def onboard_storage(root: Path, *tenants: str) -> None:
+    """What `finetune admin tenant add` does for storage: tenants/ 0711, each root 0700 owned."""
+    from gateway.storage import create_tenant_root
+
+    for name in tenants:
+        ensure_unix_user(f"sft-{name}")
+        if os.geteuid() == 0:
+            pw = pwd.getpwnam(f"sft-{name}")
+            create_tenant_root(root, name, pw.pw_uid, pw.pw_gid)
+
+
 @pytest.fixture
-def settings(db_url: str, tmp_path: Path) -> Settings:
-    root = tmp_path / "storage"
-    root.mkdir()
-    os.chmod(tmp_path, 0o755)
-    return Settings(storage_root=root, database_url=db_url, default_model=None,
+def storage_root() -> Iterator[Path]:
+    yield from tenant_storage_root()
+
+
+@pytest.fixture
+def settings(db_url: str, storage_root: Path) -> Settings:
+    return Settings(storage_root=storage_root, database_url=db_url, default_model=None,
                     max_upload_bytes=8 * 1024 * 1024, max_line_bytes=1024 * 1024)
 
 
@@ -111,9 +135,9 @@ class Gateway:
         self.app = create_app(settings)
         self.client = TestClient(self.app, raise_server_exceptions=False)
         self.tokens: dict[str, str] = {}
+        onboard_storage(settings.storage_root, TENANT_A, TENANT_B)
         with Session(self.app.state.engine) as session:
             for name in (TENANT_A, TENANT_B):
-                ensure_unix_user(f"sft-{name}")
                 tenant = ensure_tenant(session=session, name=name)
                 self.tokens[name], _ = create_token(session=session, role=Role.MEMBER, tenant=tenant)
             self.tokens["sysadmin"], _ = create_token(session=session, role=Role.SYSADMIN, tenant=None)

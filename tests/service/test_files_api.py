@@ -12,13 +12,14 @@ import pytest
 from sqlmodel import Session, select
 
 from gateway.models import DataFile, FineTuningJob, Tenant
+from gateway.storage.layout import tenant_root
 from tests.service.conftest import TENANT_A, TENANT_B, Gateway, chat_lines
 
 pytestmark = pytest.mark.service
 
 
 def stored_path(gw: Gateway, tenant: str, sha: str):  # type: ignore[no-untyped-def]
-    return gw.settings.tenant_dir(tenant) / "datasets" / f"{sha}.jsonl"
+    return tenant_root(gw.settings.storage_root, tenant) / "datasets" / f"{sha}.jsonl"
 
 
 def test_upload_processed_with_report_and_private_storage(gw: Gateway) -> None:
@@ -128,7 +129,7 @@ def test_malformed_requests_get_a_clear_4xx(gw: Gateway, name: str, body: bytes,
     r = gw.client.post("/v1/files", headers={**gw.auth(TENANT_A), **headers}, content=body)
     assert r.status_code == status, (name, r.text)
     assert needle in r.json()["error"]["message"], (name, r.text)
-    assert list((gw.settings.tenant_dir(TENANT_A) / "datasets").glob(".upload-*")) == []
+    assert list((tenant_root(gw.settings.storage_root, TENANT_A) / "datasets").glob(".upload-*")) == []
     assert gw.client.get("/healthz").status_code == 200
 
 
@@ -159,7 +160,7 @@ def test_filenames_are_display_names_only(gw: Gateway, filename: str, shown: str
     obj = gw.upload(TENANT_A, chat_lines(10, start=len(filename)), filename=filename).json()
     assert obj["filename"] == shown
     assert not (gw.settings.storage_root / "etc").exists()
-    names = {p.name for p in (gw.settings.tenant_dir(TENANT_A) / "datasets").iterdir()}
+    names = {p.name for p in (tenant_root(gw.settings.storage_root, TENANT_A) / "datasets").iterdir()}
     assert all(n.endswith(".jsonl") and len(n) == 64 + 6 for n in names)
 
 
@@ -179,7 +180,7 @@ def test_over_limit_by_content_length_refused_before_reading(gw: Gateway) -> Non
     big = b"x" * (gw.settings.max_upload_bytes + 100_000)
     r = gw.upload(TENANT_A, big)
     assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
-    d = gw.settings.tenant_dir(TENANT_A) / "datasets"
+    d = tenant_root(gw.settings.storage_root, TENANT_A) / "datasets"
     assert not d.exists() or list(d.iterdir()) == []
 
 

@@ -23,6 +23,7 @@ from gateway.services import Conflict
 from gateway.services.jobs import request_cancel
 from gateway.services.tenants import ensure_tenant
 from gateway.services.tokens import authenticate, create_token
+from gateway.storage.layout import tenant_root
 from tests.service.conftest import Gateway
 
 pytestmark = [pytest.mark.service, pytest.mark.train]
@@ -71,7 +72,7 @@ def test_cancel_racing_publication(gw: Gateway, real_staging: tuple[Path, str]) 
                                 model="tiny-chat", model_digest=digest, slurm_job_id=100000 + i)
             ids.append(job.id)
             s.add(job)
-            jd = gw.settings.tenant_dir("svc-a") / "jobs" / job.id / "attempts" / "0"
+            jd = tenant_root(gw.settings.storage_root, "svc-a") / "jobs" / job.id / "attempts" / "0"
             jd.mkdir(parents=True)
             shutil.copytree(staging, jd / "staging")
         # result files point at files.id; keep FK happy with a placeholder dataset row
@@ -120,7 +121,7 @@ def test_cancel_racing_publication(gw: Gateway, real_staging: tuple[Path, str]) 
             t.start()
         for t in threads:
             t.join(60)
-    artifacts = gw.settings.tenant_dir("svc-a") / "artifacts"
+    artifacts = tenant_root(gw.settings.storage_root, "svc-a") / "artifacts"
     with Session(engine) as s:
         for job_id in ids:
             job = s.get(FineTuningJob, job_id)
@@ -130,7 +131,7 @@ def test_cancel_racing_publication(gw: Gateway, real_staging: tuple[Path, str]) 
                 f.path and f.path.startswith(f"artifacts/{p.name}/") for f in files)] if artifacts.exists() else []
             if job.status == JobState.SUCCEEDED.value:
                 assert len(files) == 3 and job.fine_tuned_model and len(dirs) == 1
-                assert all((gw.settings.tenant_dir("svc-a") / f.path).is_file() for f in files if f.path)
+                assert all((tenant_root(gw.settings.storage_root, "svc-a") / f.path).is_file() for f in files if f.path)
             else:
                 assert job.status == JobState.CANCELLING.value, job.status
                 assert files == [] and job.fine_tuned_model is None and not job.result_files

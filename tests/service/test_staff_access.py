@@ -16,6 +16,7 @@ from sqlmodel import Session, func, select
 from gateway.models import AuditEntry, DataFile, FineTuningJob, JobEvent, Role, Tenant
 from gateway.services.tenants import get_tenant
 from gateway.services.tokens import create_token
+from gateway.storage.layout import tenant_root
 from tests.service.conftest import TENANT_A, TENANT_B, Gateway, chat_lines
 
 pytestmark = pytest.mark.service
@@ -94,7 +95,7 @@ def _add_job(gw: Gateway, tenant: str, train: str, result_bytes: bytes) -> tuple
         s.add(job)
         s.flush()
         rel = f"artifacts/{job.id}/eval.json"
-        path = gw.settings.tenant_dir(tenant) / rel
+        path = tenant_root(gw.settings.storage_root, tenant) / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(result_bytes)
         res = DataFile(tenant_id=t.id, filename=f"{job.id}-eval.json", purpose="fine-tune-results",

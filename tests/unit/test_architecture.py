@@ -41,8 +41,13 @@ def _violations(path: Path) -> list[str]:
     return found
 
 
+# Reviewed exceptions: each starts our own code, never a Slurm binary.
+ALLOWED = {"gateway/storage/launch.py": "starts the storage broker daemon (python -m gateway.storage.broker)"}
+
+
 def test_only_gateway_slurm_runs_processes() -> None:
-    bad = [v for p in _modules() if "gateway/slurm" not in p.as_posix() for v in _violations(p)]
+    bad = [v for p in _modules() if "gateway/slurm" not in p.as_posix()
+           and p.relative_to(ROOT).as_posix() not in ALLOWED for v in _violations(p)]
     assert bad == [], "only gateway/slurm/ may run commands:\n" + "\n".join(bad)
 
 

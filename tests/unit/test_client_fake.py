@@ -49,7 +49,7 @@ def test_unknown_job_is_missing_not_failed(fake: FakeSlurm) -> None:
 
 def test_submit_passes_uid_and_script(fake: FakeSlurm) -> None:
     jid = SlurmClient(fake).submit(script(), user="sft-acme")
-    assert fake.calls[-1][:6] == ("sbatch", "--parsable", "--uid", "sft-acme", "--gid", "sft-acme")
+    assert fake.calls[-1][:7] == ("sbatch", "--parsable", "--export=NONE", "--uid", "sft-acme", "--gid", "sft-acme")
     assert "#SBATCH --account=acme" in fake.jobs[jid].script
 
 

@@ -17,6 +17,7 @@ from gateway.models import DataFile, FineTuningJob, Tenant, utcnow
 from gateway.reconciler import Reconciler
 from gateway.slurm import JobScript, SlurmClient, SlurmCommandError
 from gateway.slurm.fake import FakeSlurm
+from gateway.storage.layout import tenant_root
 
 
 @pytest.fixture
@@ -103,23 +104,28 @@ def test_interrupted_submission_is_adopted_by_name(env: Any) -> None:
     assert job.status == "queued" and job.slurm_job_id == sid
 
 
-def test_interrupted_submission_is_resubmitted_once(env: Any) -> None:
+def test_interrupted_submission_never_trusts_a_spec_from_tenant_storage(env: Any) -> None:
+    # spec.json lives in tenant storage: the tenant can rewrite it. Recovery rebuilds the spec from the
+    # gateway's own record; a planted spec (here one pointing the job elsewhere) is never submitted.
+    # (Resubmission from the record runs end to end in tests/reliability/test_faults_gateway.py.)
     engine, settings, fake, client = env
     jid = _job(engine)
-    spec_dir = settings.tenant_dir("acme") / "jobs" / jid
+    spec_dir = tenant_root(settings.storage_root, "acme") / "jobs" / jid
     spec_dir.mkdir(parents=True)
-    (spec_dir / "spec.json").write_text('{"job_dir": "/srv/x"}')
+    (spec_dir / "spec.json").write_text('{"job_dir": "/srv/slurm-finetune/tenants/victim/jobs/x"}')
     submitted = []
 
     def submit(job: FineTuningJob, spec: dict[str, Any], tenant: str) -> tuple[int, str]:
-        submitted.append(job.id)
+        submitted.append(spec)
         return client.submit(JobScript(job.id, tenant, "ft-small", spec["job_dir"], ("true",))), "ft-small"
 
     rec = Reconciler(engine, settings, client, submit)
     rec.cycle()
     rec.cycle()
-    assert submitted == [jid] and _status(engine, jid).status == "queued"
-    assert len([j for j in fake.jobs.values() if j.name == jid]) == 1
+    assert submitted == []          # the row's model is not in the catalog: nothing to rebuild from
+    job = _status(engine, jid)
+    assert job.status == "failed" and job.error and job.error["code"] == "submission_lost"
+    assert [j for j in fake.jobs.values() if j.name == jid] == []
 
 
 def test_interrupted_without_spec_fails_clearly(env: Any) -> None:

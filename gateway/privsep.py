@@ -1,0 +1,79 @@
+"""The control plane never runs as root.
+
+``finetune serve`` and ``finetune reconcile`` call ``become_service_user`` first.
+Started as root, they do the only things that need root, then drop for good to
+the service user (``SFT_SERVICE_USER``, default ``sft-gateway``) before opening
+the database or a socket:
+
+1. make the gateway's state dir (``SFT_STATE_DIR``: database, portal secret,
+   audit key) 0700 and owned by the service user,
+2. start the storage broker (``gateway.storage.broker``) unless one answers:
+   the narrow root helper that performs tenant-storage verbs as the tenant.
+
+Without a service user they refuse to run as root. Started as any other user
+they run as that user (a site that starts them from a systemd unit with
+``User=sft-gateway`` never gives them root at all).
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import stat
+from pathlib import Path
+from typing import Any
+
+
+class PrivilegeError(SystemExit):
+    pass
+
+
+def _own_dir(path: Path, uid: int, gid: int) -> None:
+    """``path`` as a 0700 directory of ``uid`` (created if missing; never through a link)."""
+    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise PrivilegeError(f"{path} is not a directory: refusing to use it as the gateway's state dir")
+    os.lchown(path, uid, gid)
+    os.chmod(path, 0o700)
+
+
+def become_service_user(settings: Any, *, start_broker: bool = True) -> None:
+    """Drop from root to the service user (see the module doc); no-op when not root."""
+    if os.geteuid() != 0:
+        return
+    try:
+        pw = pwd.getpwnam(settings.service_user)
+    except KeyError:
+        raise PrivilegeError(f"refusing to run the gateway as root: its service user "
+                             f"{settings.service_user!r} does not exist (scripts/bootstrap.sh creates it, "
+                             "or set SFT_SERVICE_USER)") from None
+    if pw.pw_uid == 0:
+        raise PrivilegeError("refusing to run the gateway as root: SFT_SERVICE_USER must not be root")
+    _own_dir(settings.state_dir, pw.pw_uid, pw.pw_gid)
+    if start_broker:
+        from gateway.storage import storage_for
+
+        storage_for(settings).ensure_broker()
+    os.setgroups([])
+    os.setresgid(pw.pw_gid, pw.pw_gid, pw.pw_gid)
+    os.setresuid(pw.pw_uid, pw.pw_uid, pw.pw_uid)
+    if os.geteuid() == 0 or os.getuid() == 0:
+        raise PrivilegeError("could not drop root privileges")
+    os.umask(0o077)
+    os.environ["HOME"] = str(settings.state_dir)
+    os.environ["USER"] = os.environ["LOGNAME"] = pw.pw_name
+    _check_database(settings.database_url)
+
+
+def _check_database(url: str) -> None:
+    if not url.startswith("sqlite:///"):
+        return
+    parent = Path(url.split("///", 1)[-1]).parent
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PrivilegeError(f"the service user cannot write the database directory {parent}: "
+                             "put the SQLite file in the state dir (SFT_STATE_DIR) or a dir it owns")

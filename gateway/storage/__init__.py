@@ -1,0 +1,297 @@
+"""Tenant storage, as the gateway sees it: one object, a fixed set of verbs.
+
+The gateway (an unprivileged service user) never opens a path in a tenant's
+storage. It asks ``Storage.tenant(name)`` for a ``TenantStorage`` and calls its
+methods; each is one request to the storage broker (``broker``), which runs it
+in a child process that has become the tenant's unix user and opens names
+no-follow beneath the tenant root (``safefs``). What comes back (file
+descriptors, bytes) is then treated as untrusted input by the caller.
+
+A tenant with no unix user on this host (a storage-only tenant of the service
+tests, or the no-root local mode) runs the same verbs in-process ("direct"):
+its files belong to whoever runs the gateway, and there is no tenant uid that
+could attack them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gateway.services import Conflict, NotFound, ServiceError, StorageFull
+from gateway.storage import layout
+from gateway.storage.broker import BrokerError, recv_msg, run_verb, send_msg
+from gateway.storage.verbs import Reply
+
+__all__ = ["create_tenant_root", "Storage", "StorageUnavailable", "TenantRunner", "TenantStorage", "Upload", "layout", "storage_for"]
+
+
+class StorageUnavailable(ServiceError):
+    status = 503
+    code = "storage_unavailable"
+
+
+class StorageTampered(ServiceError):
+    status = 409
+    code = "storage_tampered"
+
+
+class StorageFailed(ServiceError):
+    status = 500
+    code = "storage_error"
+
+
+def _error(code: str, message: str) -> ServiceError:
+    if code == "not_found":
+        return NotFound(message)
+    if code == "storage_full":
+        return StorageFull("the tenant's storage is full: nothing was kept; free space or ask your "
+                           "administrator, then retry")
+    if code == "unsafe_storage":
+        return StorageTampered(f"the stored data was changed outside the gateway ({message}); "
+                               "it is not used")
+    if code in ("conflict", "publication_refused"):
+        return Conflict(message, code=code)
+    if code == "invalid_request":
+        return ServiceError(message)
+    return StorageFailed(f"storage operation failed: {message}", code=code)
+
+
+@dataclass
+class Upload:
+    """A temp file in the tenant's datasets/ that the gateway streams into."""
+
+    name: str
+    fd: int
+
+
+class Storage:
+    """Per-process entry point; thread-safe."""
+
+    def __init__(self, storage_root: Path, socket_path: Path, service_user: str | None = None):
+        self.root = storage_root
+        self.socket_path = socket_path
+        self.service_user = service_user
+        self._users: dict[str, tuple[float, bool]] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> Storage:
+        return cls(settings.storage_root, settings.broker_socket_path, settings.service_user)
+
+    def tenant(self, name: str) -> TenantStorage:
+        return TenantStorage(self, layout.tenant_name(name))
+
+    def has_unix_user(self, tenant: str) -> bool:
+        from gateway.slurm.admin import unix_user_for
+
+        now = time.monotonic()
+        with self._lock:
+            hit = self._users.get(tenant)
+            if hit and now - hit[0] < 30:
+                return hit[1]
+        try:
+            pwd.getpwnam(unix_user_for(tenant))
+            found = True
+        except KeyError:
+            found = False
+        with self._lock:
+            self._users[tenant] = (now, found)
+        return found
+
+    def ensure_broker(self) -> None:
+        from gateway.storage.launch import ensure_broker
+
+        try:
+            ensure_broker(self.socket_path, self.service_user)
+        except RuntimeError as e:
+            raise StorageUnavailable(str(e)) from None
+
+    def call(self, tenant: str, verb: str, args: dict[str, Any] | None = None,
+             fds: list[int] | None = None) -> Reply:
+        args, fds = args or {}, fds or []
+        if not self.has_unix_user(tenant):
+            try:
+                return run_verb(self.root, tenant, None, verb, args, fds)
+            except BaseException as e:   # noqa: BLE001 - the same errors as through the broker
+                from gateway.storage.broker import _reply_error
+
+                if isinstance(e, KeyboardInterrupt | SystemExit):
+                    raise
+                err = _reply_error(e)
+                raise _error(err["code"], err["message"]) from None
+        return self._via_broker(tenant, verb, args, fds)
+
+    def _connect(self) -> socket.socket:
+        for attempt in (0, 1):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect(str(self.socket_path))
+                return s
+            except OSError:
+                s.close()
+                if attempt == 0 and os.geteuid() == 0:
+                    self.ensure_broker()
+                    continue
+                raise StorageUnavailable(
+                    f"the storage broker does not answer at {self.socket_path}: start it as root "
+                    "(finetune broker), or start finetune serve as root") from None
+        raise AssertionError("unreachable")
+
+    def _via_broker(self, tenant: str, verb: str, args: dict[str, Any], fds: list[int]) -> Reply:
+        s = self._connect()
+        try:
+            s.settimeout(300)
+            send_msg(s, {"tenant": tenant, "storage_root": str(self.root), "verb": verb, "args": args}, fds)
+            header, rfds, blobs = recv_msg(s)
+        except (OSError, BrokerError, ValueError) as e:
+            raise StorageFailed(f"storage broker: {e}") from None
+        finally:
+            s.close()
+        if not header.get("ok"):
+            for fd in rfds:
+                os.close(fd)
+            raise _error(str(header.get("code", "storage_error")), str(header.get("message", "failed")))
+        return Reply(header.get("result") or {}, rfds, blobs)
+
+
+def create_tenant_root(storage_root: Path, tenant: str, uid: int, gid: int) -> Path:
+    """Onboarding (root): ``<root>/tenants`` 0711 (traversable, not listable) and the tenant root
+    0700 owned by the tenant's unix user. Never through a link: ``tenants/`` is root's."""
+    root = layout.tenant_root(storage_root, tenant)
+    storage_root.mkdir(mode=0o755, parents=True, exist_ok=True)
+    os.chmod(storage_root, 0o755)
+    tenants = root.parent
+    try:
+        os.mkdir(tenants, 0o711)
+    except FileExistsError:
+        pass
+    st = os.lstat(tenants)
+    if not (os.path.isdir(tenants) and not os.path.islink(tenants)) or st.st_uid != 0:
+        raise RuntimeError(f"{tenants} must be a root-owned directory")
+    os.chmod(tenants, 0o711)
+    try:
+        os.mkdir(root, 0o700)
+    except FileExistsError:
+        if os.path.islink(root) or not os.path.isdir(root):
+            raise RuntimeError(f"{root} is not a directory") from None
+    os.lchown(root, uid, gid)
+    os.chmod(root, 0o700)
+    return root
+
+
+_shared: dict[tuple[Path, Path, str | None], Storage] = {}
+
+
+def storage_for(settings: Any) -> Storage:
+    """The process's Storage for these settings (one per storage root and broker socket)."""
+    key = (settings.storage_root, settings.broker_socket_path, settings.service_user)
+    if key not in _shared:
+        _shared[key] = Storage(*key)
+    return _shared[key]
+
+
+class TenantStorage:
+    """The verbs for one tenant (see ``gateway.storage.verbs`` for what each does)."""
+
+    def __init__(self, storage: Storage, tenant: str):
+        self.storage, self.tenant = storage, tenant
+
+    def _call(self, verb: str, args: dict[str, Any] | None = None, fds: list[int] | None = None) -> Reply:
+        return self.storage.call(self.tenant, verb, args, fds)
+
+    def absolute(self, parts: layout.Parts) -> str:
+        return layout.absolute(self.storage.root, self.tenant, parts)
+
+    # uploads
+    def upload_begin(self) -> Upload:
+        r = self._call("upload_begin")
+        return Upload(str(r.result["name"]), r.fds[0])
+
+    def upload_commit(self, up: Upload, sha256: str, size: int) -> None:
+        self._call("upload_commit", {"name": up.name, "sha256": sha256, "size": size}, [up.fd])
+
+    def upload_abort(self, up: Upload) -> None:
+        self._call("upload_abort", {"name": up.name})
+
+    # reads
+    def open(self, parts: layout.Parts, size: int) -> int:
+        """A read fd: regular file, the tenant's own, exactly ``size`` bytes."""
+        return self._call("open_file", {"parts": list(layout.check(parts)), "size": size}).fds[0]
+
+    def stream(self, parts: layout.Parts, size: int, chunk: int = 1 << 20) -> Iterator[bytes]:
+        """The bytes of a stored file: opened (and checked) now, read as the response streams;
+        never more than ``size`` bytes, whatever happens to the file meanwhile."""
+        fd = self.open(parts, size)
+
+        def chunks() -> Iterator[bytes]:
+            left = size
+            try:
+                while left > 0 and (block := os.read(fd, min(chunk, left))):
+                    left -= len(block)
+                    yield block
+            finally:
+                os.close(fd)
+
+        return chunks()
+
+    def read_events(self, offsets: dict[str, int]) -> dict[str, bytes]:
+        if not offsets:
+            return {}
+        r = self._call("read_events", {"offsets": offsets})
+        return dict(zip(r.result.get("order") or [], r.blobs, strict=False))
+
+    def read_spec(self, job_id: str) -> bytes | None:
+        r = self._call("read_spec", {"job_id": job_id})
+        return r.blobs[0] if r.result.get("found") and r.blobs else None
+
+    # writes
+    def write_spec(self, job_id: str, spec: dict[str, Any]) -> str:
+        self._call("write_spec", {"job_id": job_id, "spec": json.dumps(spec, indent=1)})
+        return self.absolute(layout.job_file(job_id, "spec.json"))
+
+    def remove(self, paths: list[layout.Parts]) -> int:
+        return int(self._call("remove", {"paths": [list(layout.check(p)) for p in paths]}).result["removed"])
+
+    def sweep(self, min_age_s: float) -> int:
+        return int(self._call("sweep", {"min_age_s": min_age_s}).result["removed"])
+
+    def publish_build(self, job_id: str, attempt: int, model_digest: str | None) -> dict[str, Any]:
+        return self._call("publish_build", {"job_id": job_id, "attempt": attempt,
+                                            "model_digest": model_digest}).result
+
+    def publish_commit(self, name: str, art_id: str) -> None:
+        self._call("publish_commit", {"name": name, "art_id": art_id})
+
+    def submit(self, script: str, timeout: float = 60.0) -> tuple[int, str, str]:
+        """sbatch as the tenant (``--export=NONE``): (returncode, stdout, stderr)."""
+        r = self._call("submit", {"script": script, "timeout": timeout}).result
+        return int(r["returncode"]), str(r["stdout"]), str(r["stderr"])
+
+
+class TenantRunner:
+    """A Runner (gateway.slurm.runner) that runs exactly one command, ``sbatch --parsable
+    --export=NONE`` with the script on stdin, as the tenant through the broker."""
+
+    ARGV = ("sbatch", "--parsable", "--export=NONE")
+
+    def __init__(self, store: TenantStorage):
+        self.store = store
+
+    def run(self, argv: Any, *, timeout: float = 60.0, input: str | None = None,
+            env: Any = None) -> Any:
+        from gateway.slurm.runner import CommandResult
+
+        if tuple(argv) != self.ARGV or input is None or env is not None:
+            raise ValueError(f"the tenant runner only submits batch scripts, not {argv!r}")
+        start = time.monotonic()
+        rc, out, err = self.store.submit(input, timeout=timeout)
+        return CommandResult(tuple(argv), rc, out, err, time.monotonic() - start)

@@ -1,0 +1,109 @@
+"""The layout of tenant storage: the ONLY place that spells a tenant path.
+
+Everything is relative to a tenant root, ``<storage_root>/tenants/<tenant>/``
+(0700, owned by the tenant's unix user), as a tuple of path components that are
+each checked here: no ``/``, no ``..``, no leading dot except the two hidden
+temp-name patterns the storage verbs create themselves. The verbs open these
+components one at a time with ``O_NOFOLLOW`` beneath the root (see ``safefs``),
+so a name can never climb out or follow a link.
+
+    datasets/<sha256>.jsonl              validated uploads (0600)
+    datasets/.upload-<hex>.tmp           an upload while it streams
+    jobs/<job id>/spec.json              the trainer's spec (written by the gateway)
+    jobs/<job id>/events.jsonl           the trainer's progress (read by the reconciler)
+    jobs/<job id>/attempts/<n>/staging/  the trainer's finished attempt
+    jobs/<job id>/checkpoints/           the trainer's checkpoints
+    artifacts/<art id>/<result>          published results (adapter.tar, eval.json, metrics.csv)
+    artifacts/.pub-<job id>-<hex>/       a publication being built
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+Parts = tuple[str, ...]
+
+TENANT_NAME = re.compile(r"^[a-z][a-z0-9_-]{1,23}$")
+JOB_ID = re.compile(r"^ftjob-[0-9a-f]{24}$")
+ART_ID = re.compile(r"^art-[0-9a-f]{24}$")
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+UPLOAD_TMP = re.compile(r"^\.upload-[0-9a-f]{16}\.tmp$")
+PUB_TMP = re.compile(r"^\.pub-ftjob-[0-9a-f]{24}-[0-9a-f]{8}$")
+RESULT_NAMES = ("adapter.tar", "eval.json", "metrics.csv")
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+
+DATASETS, JOBS, ARTIFACTS = "datasets", "jobs", "artifacts"
+
+
+class LayoutError(ValueError):
+    """A name that is not part of the layout (never reaches the filesystem)."""
+
+
+def _match(pattern: re.Pattern[str], value: object, what: str) -> str:
+    if not isinstance(value, str) or not pattern.fullmatch(value):
+        raise LayoutError(f"invalid {what}: {value!r}")
+    return value
+
+
+def tenant_name(name: object) -> str:
+    return _match(TENANT_NAME, name, "tenant name")
+
+
+def tenant_root(storage_root: Path, tenant: str) -> Path:
+    """Absolute tenant root: for the trainer's spec and the onboarding code only."""
+    return storage_root / "tenants" / tenant_name(tenant)
+
+
+def absolute(storage_root: Path, tenant: str, parts: Parts) -> str:
+    """An absolute path the trainer (running as the tenant) opens."""
+    return str(tenant_root(storage_root, tenant).joinpath(*check(parts)))
+
+
+def check(parts: object) -> Parts:
+    """Validate a tuple of components (each a plain name, no dot-dot, no slash)."""
+    if not isinstance(parts, list | tuple) or not parts or len(parts) > 8:
+        raise LayoutError(f"invalid storage path: {parts!r}")
+    for p in parts:
+        if not isinstance(p, str) or not (_NAME.fullmatch(p) or UPLOAD_TMP.fullmatch(p)
+                                          or PUB_TMP.fullmatch(p)):
+            raise LayoutError(f"invalid storage path component: {p!r}")
+    return tuple(parts)
+
+
+def dataset(sha256: str) -> Parts:
+    return (DATASETS, f"{_match(SHA256, sha256, 'sha256')}.jsonl")
+
+
+def job(job_id: str) -> Parts:
+    return (JOBS, _match(JOB_ID, job_id, "job id"))
+
+
+def job_file(job_id: str, name: str) -> Parts:
+    return (*job(job_id), name)
+
+
+def staging(job_id: str, attempt: int) -> Parts:
+    if not isinstance(attempt, int) or attempt < 0 or attempt > 10_000:
+        raise LayoutError(f"invalid attempt: {attempt!r}")
+    return (*job(job_id), "attempts", str(attempt), "staging")
+
+
+def artifact(art_id: str) -> Parts:
+    return (ARTIFACTS, _match(ART_ID, art_id, "artifact id"))
+
+
+def result_file(rel: str) -> Parts:
+    """A result file row's ``path`` (``artifacts/<art id>/<name>``), checked."""
+    parts = tuple(rel.split("/")) if isinstance(rel, str) else ()
+    if len(parts) != 3 or parts[0] != ARTIFACTS or not ART_ID.fullmatch(parts[1]) \
+            or parts[2] not in RESULT_NAMES:
+        raise LayoutError(f"invalid result path: {rel!r}")
+    return parts
+
+
+def result_path(art_id: str, name: str) -> str:
+    """What a result file row stores as its ``path``."""
+    if name not in RESULT_NAMES:
+        raise LayoutError(f"invalid result name: {name!r}")
+    return "/".join((*artifact(art_id), name))

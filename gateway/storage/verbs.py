@@ -1,0 +1,432 @@
+"""The storage verbs: the fixed set of operations the gateway may ask for inside a
+tenant's storage. Each runs in a process that already IS the tenant (the broker
+switched uid before opening anything; see ``broker``), starts from the tenant
+root's directory fd, and touches names only through ``safefs`` (no-follow,
+beneath the root, owner- and type-checked).
+
+A verb takes ``(ctx, args, fds)`` and returns a ``Reply``: a JSON-able result,
+file descriptors to hand to the gateway (SCM_RIGHTS), and byte blobs. Arguments
+come from the gateway, which is less trusted than the broker: every name is
+checked by ``layout`` before use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import secrets
+import stat
+import tarfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.storage import layout, safefs
+
+MAX_SPEC_BYTES = 1 << 20
+MAX_EVENTS_READ = 4 << 20          # per job per call
+MAX_EVAL_BYTES = 1 << 20
+MAX_METRICS_BYTES = 64 << 20
+MAX_MANIFEST_BYTES = 1 << 20
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "special_tokens_map.json")
+
+
+class VerbError(Exception):
+    """A refusal the gateway shows as it is (``code`` picks the HTTP status)."""
+
+    def __init__(self, message: str, code: str = "storage_error"):
+        super().__init__(message)
+        self.message, self.code = message, code
+
+
+@dataclass
+class Ctx:
+    tenant: str
+    root_fd: int          # the tenant root, opened no-follow, owned by the effective uid
+    storage_root: str
+    unix_user: str | None
+
+
+@dataclass
+class Reply:
+    result: dict[str, Any] = field(default_factory=dict)
+    fds: list[int] = field(default_factory=list)
+    blobs: list[bytes] = field(default_factory=list)
+
+
+Verb = Callable[[Ctx, dict[str, Any], list[int]], Reply]
+VERBS: dict[str, Verb] = {}
+
+
+def verb(fn: Verb) -> Verb:
+    VERBS[fn.__name__] = fn
+    return fn
+
+
+def _missing(what: str) -> VerbError:
+    return VerbError(f"{what} is no longer in storage", code="not_found")
+
+
+# ------------------------------------------------------------------- uploads
+@verb
+def upload_begin(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
+    """A fresh temp file in datasets/ (0600, O_EXCL): its fd goes to the gateway, which streams
+    the upload into it; ``upload_commit`` then names it by its sha256."""
+    d = safefs.open_dir(ctx.root_fd, (layout.DATASETS,), create=True)
+    try:
+        name = f".upload-{secrets.token_hex(8)}.tmp"
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=d)
+        return Reply({"name": name}, fds=[fd])
+    finally:
+        os.close(d)
+
+
+def _same_inode(dir_fd: int, name: str, fd: int) -> bool:
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+@verb
+def upload_commit(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
+    """Rename the temp file (still the very inode the gateway wrote: checked through the fd it
+    sends back) to ``<sha256>.jsonl``, over whatever had that name (same content, or something
+    the tenant planted: a link or FIFO is replaced, never followed)."""
+    name = layout.check((args.get("name"),))[0]
+    if not layout.UPLOAD_TMP.fullmatch(name) or len(fds) != 1:
+        raise VerbError("invalid upload handle")
+    final = layout.dataset(args.get("sha256", ""))[1]
+    d = safefs.open_dir(ctx.root_fd, (layout.DATASETS,))
+    try:
+        if not _same_inode(d, name, fds[0]):
+            raise VerbError("the upload's temp file was replaced while it streamed; nothing was kept",
+                            code="conflict")
+        safefs.check_file_fd(fds[0], "upload", size=int(args.get("size", -1)))
+        os.fsync(fds[0])
+        os.replace(name, final, src_dir_fd=d, dst_dir_fd=d)
+        os.fsync(d)
+        return Reply()
+    finally:
+        os.close(d)
+
+
+@verb
+def upload_abort(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
+    name = layout.check((args.get("name"),))[0]
+    if not layout.UPLOAD_TMP.fullmatch(name):
+        raise VerbError("invalid upload handle")
+    try:
+        d = safefs.open_dir(ctx.root_fd, (layout.DATASETS,))
+    except (FileNotFoundError, safefs.UnsafeStorage):
+        return Reply()
+    try:
+        safefs.remove(d, name)
+    finally:
+        os.close(d)
+    return Reply()
+
+
+# --------------------------------------------------------------------- reads
+@verb
+def open_file(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
+    """An fd to read a dataset or result file: regular, tenant-owned, exactly the recorded size."""
+    parts = layout.check(args.get("parts"))
+    if parts[0] not in (layout.DATASETS, layout.ARTIFACTS):
+        raise VerbError("only datasets and results are served")
+    try:
+        return Reply(fds=[safefs.open_path(ctx.root_fd, parts, size=int(args["size"]))])
+    except FileNotFoundError:
+        raise _missing("the file") from None
+
+
+@verb
+def read_events(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
+    """New bytes of each job's events.jsonl from its offset: one call per tenant per cycle."""
+    offsets = args.get("offsets") or {}
+    sizes, blobs = {}, []
+    for job_id, offset in offsets.items():
+        data = b""
+        try:
+            fd = safefs.open_path(ctx.root_fd, layout.job_file(job_id, "events.jsonl"))
+            try:
+                os.lseek(fd, max(0, int(offset)), os.SEEK_SET)
+                data = safefs.read_fd(fd, MAX_EVENTS_READ)
+            finally:
+                os.close(fd)
+        except (FileNotFoundError, safefs.UnsafeStorage, NotADirectoryError):
+            data = b""
+        sizes[job_id] = len(data)
+        blobs.append(data)
+    return Reply({"order": list(offsets), "sizes": sizes}, blobs=blobs)
+
+
+@verb
+def read_spec(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
+    try:
+        fd = safefs.open_path(ctx.root_fd, layout.job_file(args.get("job_id", ""), "spec.json"),
+                              max_size=MAX_SPEC_BYTES)
+    except (FileNotFoundError, safefs.UnsafeStorage):
+        return Reply({"found": False})
+    try:
+        return Reply({"found": True}, blobs=[safefs.read_fd(fd, MAX_SPEC_BYTES)])
+    finally:
+        os.close(fd)
+
+
+# -------------------------------------------------------------------- writes
+@verb
+def write_spec(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
+    """Create jobs/<id>/ (0700) and write spec.json atomically."""
+    data = args.get("spec")
+    if not isinstance(data, str) or len(data) > MAX_SPEC_BYTES:
+        raise VerbError("invalid spec")
+    d = safefs.open_dir(ctx.root_fd, layout.job(args.get("job_id", "")), create=True)
+    try:
+        safefs.write_atomic(d, "spec.json", data.encode())
+    finally:
+        os.close(d)
+    return Reply()
+
+
+@verb
+def remove(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
+    """Remove each named path (file or tree), never following a link; missing ones are fine."""
+    removed = 0
+    for raw in args.get("paths") or []:
+        parts = layout.check(raw)
+        if parts[0] not in (layout.DATASETS, layout.JOBS, layout.ARTIFACTS) or len(parts) < 2:
+            raise VerbError("refusing to remove a top-level directory")
+        try:
+            d = safefs.open_dir(ctx.root_fd, parts[:-1])
+        except (FileNotFoundError, safefs.UnsafeStorage, NotADirectoryError):
+            continue
+        try:
+            removed += safefs.remove(d, parts[-1])
+        finally:
+            os.close(d)
+    return Reply({"removed": removed})
+
+
+@verb
+def sweep(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
+    """Remove temp names older than ``min_age_s`` left by interrupted uploads and publications."""
+    min_age, now, removed = float(args.get("min_age_s", 60)), time.time(), 0
+    for top, pattern in ((layout.ARTIFACTS, layout.PUB_TMP), (layout.DATASETS, layout.UPLOAD_TMP)):
+        try:
+            d = safefs.open_dir(ctx.root_fd, (top,))
+        except (FileNotFoundError, safefs.UnsafeStorage, NotADirectoryError):
+            continue
+        try:
+            for name in os.listdir(d):
+                if not pattern.fullmatch(name):
+                    continue
+                try:
+                    age = now - os.stat(name, dir_fd=d, follow_symlinks=False).st_mtime
+                except FileNotFoundError:
+                    continue
+                if age >= min_age:
+                    removed += safefs.remove(d, name)
+        finally:
+            os.close(d)
+    return Reply({"removed": removed})
+
+
+# --------------------------------------------------------------- publication
+def _sha256_fd(fd: int) -> tuple[int, str]:
+    os.lseek(fd, 0, os.SEEK_SET)
+    h, n = hashlib.sha256(), 0
+    while block := os.read(fd, 1 << 20):
+        h.update(block)
+        n += len(block)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return n, h.hexdigest()
+
+
+def _refused(message: str) -> VerbError:
+    return VerbError(message, code="publication_refused")
+
+
+def verify_staging(staging_fd: int, *, attempt: int, model_digest: str | None) -> tuple[dict[str, Any], dict[str, int]]:
+    """The manifest of a complete, intact staging dir and an open fd per listed file."""
+    def read(name: str, cap: int) -> bytes:
+        fd = safefs.open_file(staging_fd, name, name, max_size=cap)
+        try:
+            return safefs.read_fd(fd, cap)
+        finally:
+            os.close(fd)
+
+    try:
+        marker = read("COMPLETE", 4096).decode(errors="replace").strip()
+    except (FileNotFoundError, safefs.UnsafeStorage):
+        raise _refused(f"attempt {attempt} has no COMPLETE marker: the trainer did not finish it") from None
+    try:
+        raw = read("manifest.json", MAX_MANIFEST_BYTES)
+        manifest = json.loads(raw)
+        if not isinstance(manifest, dict):
+            raise ValueError("not an object")
+    except (OSError, ValueError) as e:
+        raise _refused(f"attempt {attempt}: unreadable manifest ({type(e).__name__})") from e
+    if marker and marker != f"manifest sha256:{hashlib.sha256(raw).hexdigest()}":
+        raise _refused(f"attempt {attempt}: COMPLETE does not match the manifest")
+    if manifest.get("attempt") != attempt:
+        raise _refused(f"staging belongs to attempt {manifest.get('attempt')}, not the current "
+                       f"attempt {attempt}: a stale attempt is never published")
+    if model_digest and (manifest.get("base_model") or {}).get("digest") != model_digest:
+        raise _refused("the adapter was trained on another base model digest")
+    files = manifest.get("files") or {}
+    if not isinstance(files, dict):
+        raise _refused("the manifest's file list is invalid")
+    for name in ADAPTER_FILES + ("eval.json",):
+        if name not in files:
+            raise _refused(f"the manifest lacks {name}")
+    opened: dict[str, int] = {}
+    try:
+        for name, digest in files.items():
+            if not isinstance(name, str) or "/" in name or name.startswith(".") or len(name) > 128:
+                raise _refused(f"manifest names an invalid file: {name!r}")
+            try:
+                fd = safefs.open_file(staging_fd, name, name)
+            except (FileNotFoundError, safefs.UnsafeStorage):
+                raise _refused(f"manifest names a missing or invalid file: {name!r}") from None
+            opened[name] = fd
+            if f"sha256:{_sha256_fd(fd)[1]}" != digest:
+                raise _refused(f"{name} does not match its sha256 in the manifest")
+        return manifest, opened
+    except BaseException:
+        for fd in opened.values():
+            os.close(fd)
+        raise
+
+
+def metrics_csv(lines: bytes) -> bytes:
+    """metrics.jsonl → CSV (step, loss, lr, tokens_per_s, elapsed_s, tokens)."""
+    import csv
+
+    out = io.StringIO()
+    cols = ["step", "loss", "lr", "tokens_per_s", "elapsed_s", "tokens"]
+    w = csv.writer(out)
+    w.writerow(cols)
+    for line in lines.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            w.writerow([row.get(c, "") if isinstance(row.get(c, ""), int | float | str) else ""
+                        for c in cols])
+    return out.getvalue().encode()
+
+
+def _create(dir_fd: int, name: str) -> int:
+    return os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                   dir_fd=dir_fd)
+
+
+@verb
+def publish_build(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
+    """Verify the attempt's staging and build the results in a hidden artifacts/.pub-* dir.
+    Returns its name, each result's (bytes, sha256) and the evaluation (for the eval gate)."""
+    job_id, attempt = args.get("job_id", ""), args.get("attempt")
+    if not isinstance(attempt, int):
+        raise VerbError("invalid attempt")
+    try:
+        sfd = safefs.open_dir(ctx.root_fd, layout.staging(job_id, attempt))
+    except (FileNotFoundError, safefs.UnsafeStorage, NotADirectoryError):
+        raise _refused(f"attempt {attempt} has no staging directory") from None
+    try:
+        manifest, opened = verify_staging(sfd, attempt=attempt, model_digest=args.get("model_digest"))
+        try:
+            return _build(ctx, job_id, sfd, opened)
+        finally:
+            for fd in opened.values():
+                os.close(fd)
+    finally:
+        os.close(sfd)
+
+
+def _build(ctx: Ctx, job_id: str, sfd: int, opened: dict[str, int]) -> Reply:
+    try:
+        evaluation = json.loads(safefs.read_fd(opened["eval.json"], MAX_EVAL_BYTES))
+        os.lseek(opened["eval.json"], 0, os.SEEK_SET)
+    except ValueError:
+        raise _refused("eval.json is not JSON") from None
+    try:
+        mfd = safefs.open_file(sfd, "metrics.jsonl", "metrics.jsonl", max_size=MAX_METRICS_BYTES)
+        try:
+            metrics = safefs.read_fd(mfd, MAX_METRICS_BYTES)
+        finally:
+            os.close(mfd)
+    except (FileNotFoundError, safefs.UnsafeStorage):
+        metrics = b""
+    art = safefs.open_dir(ctx.root_fd, (layout.ARTIFACTS,), create=True)
+    name = f".pub-{job_id}-{secrets.token_hex(4)}"
+    try:
+        os.mkdir(name, 0o700, dir_fd=art)
+        out = safefs.open_dir(art, (name,))
+    except BaseException:
+        os.close(art)
+        raise
+    try:
+        tar_fd = _create(out, "adapter.tar")
+        with os.fdopen(tar_fd, "wb") as f, tarfile.open(fileobj=f, mode="w") as tar:
+            for fname in ADAPTER_FILES + TOKENIZER_FILES:
+                fd = opened.get(fname)
+                if fd is None:
+                    continue
+                info = tarfile.TarInfo(f"{job_id}/{fname}")
+                info.size, info.mode, info.mtime = os.fstat(fd).st_size, 0o600, int(time.time())
+                os.lseek(fd, 0, os.SEEK_SET)
+                with os.fdopen(os.dup(fd), "rb") as src:
+                    tar.addfile(info, src)
+        for fname, data in (("eval.json", safefs.read_fd(opened["eval.json"], MAX_EVAL_BYTES)),
+                            ("metrics.csv", metrics_csv(metrics))):
+            fd = _create(out, fname)
+            try:
+                safefs.write_all(fd, data)
+            finally:
+                os.close(fd)
+        results = {}
+        for fname in layout.RESULT_NAMES:
+            fd = os.open(fname, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=out)
+            try:
+                os.fsync(fd)
+                results[fname] = list(_sha256_fd(fd))
+            finally:
+                os.close(fd)
+        os.fsync(out)
+        os.fsync(art)
+        return Reply({"name": name, "results": results, "evaluation": evaluation})
+    except BaseException:
+        safefs.remove(art, name)
+        raise
+    finally:
+        os.close(out)
+        os.close(art)
+
+
+@verb
+def publish_commit(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
+    """Rename the built .pub-* dir to artifacts/<art id> (atomically visible)."""
+    name = layout.check((args.get("name"),))[0]
+    if not layout.PUB_TMP.fullmatch(name):
+        raise VerbError("invalid publication handle")
+    final = layout.artifact(args.get("art_id", ""))[1]
+    art = safefs.open_dir(ctx.root_fd, (layout.ARTIFACTS,))
+    try:
+        st = os.stat(name, dir_fd=art, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise VerbError("the publication's build dir was replaced", code="conflict")
+        os.rename(name, final, src_dir_fd=art, dst_dir_fd=art)
+        os.fsync(art)
+    finally:
+        os.close(art)
+    return Reply()
