@@ -7,8 +7,10 @@ report says how many files and bytes went, and which processes (pid, comm) died.
 
 from __future__ import annotations
 
+import math
 import os
 import pwd
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -99,16 +101,17 @@ def step_make_scratch(s: Scrub) -> Verdict:
 
 def judge_removed(removed: files.Removed, left: int, what: str) -> Verdict:
     figures: Figures = {"files_removed": removed.files, "dirs_removed": removed.dirs,
-                        "bytes_removed": removed.bytes}
-    if removed.errors or left:
+                        "bytes_removed": removed.bytes, "foreign_left": removed.foreign}
+    if removed.errors or left or removed.foreign:
         return fail(f"{what}: {left} entries left, {removed.errors} errors "
-                    f"(first: {removed.first_error or '-'})", **figures)
+                    f"(first: {removed.first_error or '-'}), {removed.foreign} entries of other "
+                    "users inside the job user's tree left alone", **figures)
     return ok(f"{what}: removed {removed.files} files, {removed.dirs} dirs, "
               f"{removed.bytes} bytes; none left", **figures)
 
 
 def step_remove_scratch(s: Scrub) -> Verdict:
-    removed = files.remove_path(s.scratch)
+    removed = files.remove_path(s.scratch, s.job.uid)
     left = 1 if files.dir_state(s.scratch).exists else 0
     return judge_removed(removed, left, "scratch")
 
@@ -119,7 +122,15 @@ def _tenant_uids(prefix: str, job_uid: int) -> set[int]:
     return (uids | {job_uid}) - {0}  # root's daemons are not a tenant's leftovers
 
 
-def judge_leftovers(found: list[procs.Proc]) -> Verdict:
+def _undecided_message(ps: list[procs.Proc]) -> str:
+    return (f"{len(ps)} process(es) of uid(s) {sorted({p.uid for p in ps})} in a cgroup the "
+            f"scrubber cannot place ({ps[0].where.unknown}): neither killed nor spared")
+
+
+def judge_leftovers(found: list[procs.Proc], undecided: list[procs.Proc] | None = None) -> Verdict:
+    undecided = undecided or []
+    if undecided:
+        return fail(_undecided_message(undecided), processes=_describe(found + undecided))
     if found:
         uids = sorted({p.uid for p in found})
         return fail(f"{len(found)} leftover tenant process(es) of uid(s) {uids} with no job on "
@@ -129,16 +140,23 @@ def judge_leftovers(found: list[procs.Proc]) -> Verdict:
 
 def step_leftover_processes(s: Scrub) -> Verdict:
     ps = procs.list_procs(s.cfg.proc_root)
-    found = procs.leftovers(ps, tenant_uids=_tenant_uids(s.cfg.tenant_user_prefix, s.job.uid),
-                            node=s.job.node, job_id=s.job.job_id, live=procs.live_jobs(ps))
-    return judge_leftovers(found)
+    tenants = _tenant_uids(s.cfg.tenant_user_prefix, s.job.uid)
+    found = procs.leftovers(ps, tenant_uids=tenants, node=s.job.node, job_id=s.job.job_id,
+                            live=procs.live_jobs(ps))
+    return judge_leftovers(found, procs.undecided(ps, tenants))
 
 
-def judge_kill(rounds: list[procs.KillResult], left: list[procs.Proc]) -> Verdict:
+def judge_kill(rounds: list[procs.KillResult], left: list[procs.Proc],
+               undecided: list[procs.Proc] | None = None) -> Verdict:
+    undecided = undecided or []
     killed = [p for r in rounds for p in r.killed]
     forced = sum(len(r.needed_kill) for r in rounds)
     figures: Figures = {"processes_killed": len(killed), "needed_sigkill": forced,
+                        "not_signalled": sum(len(r.not_signalled) for r in rounds),
                         "killed": _describe(killed, 50)}
+    if undecided:
+        return fail(_undecided_message(undecided), undecided=_describe(undecided),
+                    survivors=_describe(left), **figures)
     if left:
         return fail(f"{len(left)} process(es) of the job user survive SIGKILL "
                     f"(unkillable, D state?)", survivors=_describe(left), **figures)
@@ -146,46 +164,70 @@ def judge_kill(rounds: list[procs.KillResult], left: list[procs.Proc]) -> Verdic
               **figures)
 
 
-def _targets(s: Scrub) -> list[procs.Proc]:
+def _targets(s: Scrub) -> tuple[list[procs.Proc], list[procs.Proc]]:
+    """The job user's processes to kill, and those whose cgroup cannot be placed."""
     ps = procs.list_procs(s.cfg.proc_root)
-    return procs.kill_targets(ps, uid=s.job.uid, node=s.job.node, job_id=s.job.job_id,
-                              live=procs.live_jobs(ps))
+    return (procs.kill_targets(ps, uid=s.job.uid, node=s.job.node, job_id=s.job.job_id,
+                               live=procs.live_jobs(ps)),
+            procs.undecided(ps, {s.job.uid}))
 
 
 def step_kill_processes(s: Scrub, rounds: int = 3) -> Verdict:
     """TERM → KILL every process of the job user no other live job owns; repeat while the
-    dying ones spawn new ones."""
+    dying ones spawn new ones. Signals go through verified pidfds (procs.terminate)."""
     results = []
-    targets = _targets(s)
+    targets, undecided = _targets(s)
     for _ in range(rounds):
         if not targets or s.job.uid == 0:
             break
-        results.append(procs.terminate(targets, grace_s=s.cfg.kill_grace_s, wait_s=s.cfg.kill_wait_s))
-        targets = _targets(s)
+        results.append(procs.terminate(targets, grace_s=s.cfg.kill_grace_s, wait_s=s.cfg.kill_wait_s,
+                                       proc_root=s.cfg.proc_root))
+        targets, undecided = _targets(s)
     if s.job.uid == 0:
         return skipped("job user is root: not killing root's processes")
-    return judge_kill(results, targets)
+    return judge_kill(results, targets, undecided)
 
 
 # ------------------------------------------------------------------------ files
-def _other_jobs_of_user(s: Scrub) -> list[int]:
+def judge_other_jobs(live: dict[int, procs.Where], uid: int, job_id: int, where: str) -> Verdict | None:
+    """Whether the job user's files must stay (its other live jobs here), or cannot be judged
+    (a live job whose user is not known, cgroup v2 before its first process); None: remove them."""
+    others = sorted(j for j, w in live.items() if w.uid == uid and j != job_id)
+    if others:
+        return skipped(f"the job user has other job(s) {others} on this host: its files in "
+                       f"{where} stay until its last job ends")
+    unknown = sorted(j for j, w in live.items() if w.uid is None and j != job_id)
+    if unknown:
+        return fail(f"cannot tell whose live job(s) {unknown} on this host are (no uid in the "
+                    f"cgroup, no process of a user yet): the job user's files in {where} were "
+                    "not removed")
+    return None
+
+
+def _settled_live_jobs(s: Scrub, tries: int = 20, pause_s: float = 0.1) -> dict[int, procs.Where]:
+    """Live jobs, re-observed for up to ~2 s while one's user is not known yet (a starting
+    job's slurmstepd before its cgroup, or its first process, exists)."""
     live = procs.live_jobs(procs.list_procs(s.cfg.proc_root))
-    return sorted(j for j, w in live.items() if w.uid == s.job.uid and j != s.job.job_id)
+    for _ in range(tries - 1):
+        if all(w.uid is not None for j, w in live.items() if j != s.job.job_id):
+            break
+        time.sleep(pause_s)
+        live = procs.live_jobs(procs.list_procs(s.cfg.proc_root))
+    return live
 
 
 def step_remove_tmp_files(s: Scrub) -> Verdict:
-    others = _other_jobs_of_user(s)
-    if others:
-        return skipped(f"the job user has other job(s) {others} on this host: its files in "
-                       f"{', '.join(map(str, s.cfg.tmp_dirs))} stay until its last job ends")
+    where = "+".join(map(str, s.cfg.tmp_dirs))
+    v = judge_other_jobs(_settled_live_jobs(s), s.job.uid, s.job.job_id,
+                         ", ".join(map(str, s.cfg.tmp_dirs)))
+    if v is not None:
+        return v
     if s.job.uid == 0:
         return skipped("job user is root: not removing root's files")
     removed = files.Removed()
     for top in s.cfg.tmp_dirs:
-        for path in list(files.owned_entries(top, s.job.uid)):
-            removed.add(files.remove_path(path))
-    left = sum(1 for top in s.cfg.tmp_dirs for _ in files.owned_entries(top, s.job.uid))
-    where = "+".join(map(str, s.cfg.tmp_dirs))
+        removed.add(files.remove_owned(top, s.job.uid))
+    left = sum(len(files.owned_entries(top, s.job.uid)) for top in s.cfg.tmp_dirs)
     return judge_removed(removed, left, where)
 
 
@@ -264,18 +306,41 @@ def step_gpu_memory(s: Scrub) -> Verdict:
     return judge_gpu_memory(info, minors, s.cfg.gpu_used_tolerance_mb << 20)
 
 
+# The wipe must cover at least this share of the memory that was free on each GPU.
+WIPE_MIN_PERCENT = 99
+
+
+def wipe_covers(r: gpu.WipeResult, percent: int = WIPE_MIN_PERCENT) -> bool:
+    """Whether ``r`` zeroed at least ``percent`` % of the memory free before it (integers: exact)."""
+    return r.free_bytes > 0 and r.wiped_bytes * 100 >= r.free_bytes * percent
+
+
+def _percent(fraction: float) -> str:
+    """Rounded down: 98.999 % reads 98.99 %, never a passing-looking 99.00 %."""
+    return f"{math.floor(fraction * 10000) / 100:.2f}%"
+
+
 def judge_wipe(results: list[gpu.WipeResult], expected: int) -> Verdict:
     wiped = sum(r.wiped_bytes for r in results)
+    free = sum(r.free_bytes for r in results)
     seconds = sum(r.seconds for r in results)
-    figures: Figures = {"gpu_bytes_wiped": wiped, "gpu_bytes_total": sum(r.total_bytes for r in results),
+    fraction = min((r.fraction for r in results), default=0.0)
+    figures: Figures = {"gpu_bytes_wiped": wiped, "gpu_bytes_free": free,
+                        "gpu_bytes_total": sum(r.total_bytes for r in results),
+                        "gpu_wipe_fraction": round(fraction, 6),  # the worst GPU's wiped / free
                         "wipe_seconds": round(seconds, 3),
                         "wipe_gb_per_s": round(wiped / seconds / 1e9, 1) if seconds else 0.0}
     if len(results) != expected:
         return fail(f"wiped {len(results)} of {expected} GPU(s)", **figures)
-    bad = [r.device for r in results if r.nonzero_chunks or not r.wiped_bytes]
+    short = {r.device: _percent(r.fraction) for r in results if not wipe_covers(r)}
+    if short:
+        return fail(f"GPU wipe covered too little of the free memory on {short} "
+                    f"(need {WIPE_MIN_PERCENT}%)", **figures)
+    bad = [r.device for r in results if r.nonzero_chunks]
     if bad:
         return fail(f"GPU memory not verified zero on {bad}", **figures)
-    return ok(f"zeroed and verified {wiped} bytes on {len(results)} GPU(s)", **figures)
+    return ok(f"zeroed and verified {wiped} bytes on {len(results)} GPU(s), at least "
+              f"{_percent(fraction)} of the memory that was free", **figures)
 
 
 def step_gpu_wipe(s: Scrub) -> Verdict:

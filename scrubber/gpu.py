@@ -133,6 +133,7 @@ def _info(nv: Any, h: Any, minor: int) -> GpuInfo:
 class WipeResult:
     device: str  # the GPU's UUID
     total_bytes: int
+    free_bytes: int  # free on the device just before the wipe (cudaMemGetInfo, our context made)
     wiped_bytes: int  # allocated, zeroed and verified
     nonzero_chunks: int  # chunks still holding a non-zero byte after the wipe (must be 0)
     seconds: float
@@ -140,6 +141,11 @@ class WipeResult:
     @property
     def gb_per_s(self) -> float:
         return self.wiped_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def fraction(self) -> float:
+        """Share of the free memory the wipe zeroed and verified (0 when nothing was free)."""
+        return self.wiped_bytes / self.free_bytes if self.free_bytes > 0 else 0.0
 
 
 def import_torch_cuda(uuids: Sequence[str]) -> Any | None:
@@ -192,13 +198,18 @@ def count_nonzero_chunks(torch: Any, chunks: list[Any]) -> int:
 
 
 def wipe_gpu(torch: Any, index: int, *, chunk_bytes: int, min_chunk_bytes: int) -> WipeResult:
-    """Zero and verify all memory of CUDA device ``index`` a new context can allocate."""
+    """Zero and verify all memory of CUDA device ``index`` a new context can allocate.
+
+    The memory free just before (after this process's CUDA context exists) is
+    measured too: the judge wants nearly all of it wiped, not just some bytes.
+    """
     props = torch.cuda.get_device_properties(index)
     uuid = str(getattr(props, "uuid", index))
     t0 = time.perf_counter()
+    free, _ = torch.cuda.mem_get_info(index)
     chunks = fill(torch, index, 0, chunk_bytes=chunk_bytes, min_chunk_bytes=min_chunk_bytes)
     filled = sum(t.numel() for t in chunks)
     bad = count_nonzero_chunks(torch, chunks)
     chunks.clear()
     torch.cuda.empty_cache()
-    return WipeResult(uuid, int(props.total_memory), filled, bad, time.perf_counter() - t0)
+    return WipeResult(uuid, int(props.total_memory), int(free), filled, bad, time.perf_counter() - t0)

@@ -147,6 +147,7 @@ def test_wipe_leaves_no_canary_for_the_next_process(gpu: int, tmp_path: Path) ->
     wipe = next(s for s in report["steps"] if s["name"] == "gpu_wipe")
     assert wipe["status"] == "ok", wipe
     assert wipe["figures"]["gpu_bytes_wiped"] >= 0.9 * filled, (wipe, filled)
+    assert wipe["figures"]["gpu_wipe_fraction"] >= 0.99, wipe  # of the memory free before the wipe
     assert next(s for s in report["steps"] if s["name"] == "gpu_processes")["status"] == "ok"
 
     b = subprocess.run([sys.executable, "-c", textwrap.dedent(SCAN_B), marker],  # noqa: S603
@@ -162,6 +163,7 @@ def test_wipe_leaves_no_canary_for_the_next_process(gpu: int, tmp_path: Path) ->
     copy_gbs = float(bw.stdout.strip())
     wipe_gbs = wipe["figures"]["wipe_gb_per_s"]
     print(f"GPU {gpu}: A filled {filled / 1e9:.1f} GB; wiped {wipe['figures']['gpu_bytes_wiped'] / 1e9:.1f} GB "
+          f"({wipe['figures']['gpu_wipe_fraction']:.2%} of the free memory) "
           f"in {wipe['figures']['wipe_seconds']:.2f} s = {wipe_gbs:.0f} GB/s (zero + verify) vs "
           f"device copy {copy_gbs:.0f} GB/s (read+write) = {wipe_gbs / copy_gbs:.2f}x; "
           f"epilog wall {report['wall_s']:.1f} s; B scanned {scanned / 1e9:.1f} GB: {hits} hits")

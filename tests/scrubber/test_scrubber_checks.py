@@ -16,7 +16,14 @@ from scrubber.jobenv import JobEnvError, job_context, parse_gpu_list
 
 
 def proc(pid: int, uid: int, cgroup: str = "/", state: str = "S", stepd: int | None = None) -> procs.Proc:
-    return procs.Proc(pid, 1, uid, state, "x", cgroup, stepd)
+    """A process whose /proc/<pid>/cgroup is cgroup v1 with ``cgroup`` as its freezer path,
+    or exactly ``cgroup`` when that is already file text (``N:...:path`` lines)."""
+    text = cgroup if ":" in cgroup else f"12:pids:/\n6:freezer:{cgroup}\n0::/\n"
+    return procs.Proc(pid, 1, uid, state, "x", text, stepd)
+
+
+def v2(path: str) -> str:
+    return f"0::{path}\n"
 
 
 STEPD_7 = proc(10, 0, "/slurm_n2/uid_500/job_7", stepd=7)
@@ -28,11 +35,89 @@ def test_parse_stat_survives_spaces_and_parens_in_comm() -> None:
     assert procs.parse_stat("42 (evil) (name Z 1) S 17 42 42 0") == ("S", 17)
 
 
-def test_parse_cgroup_prefers_freezer_then_unified() -> None:
-    v1 = "9:name=systemd:/\n6:freezer:/slurm_n2/uid_5/job_9/step_batch\n0::/\n"
-    assert procs.parse_cgroup(v1) == "/slurm_n2/uid_5/job_9/step_batch"
-    assert procs.parse_cgroup("0::/system.slice/slurmstepd.scope/job_3/step_0\n") \
-        == "/system.slice/slurmstepd.scope/job_3/step_0"
+def test_parse_start_reads_field_22_after_a_hostile_comm() -> None:
+    stat = ("4242 (a) b) S 1 4242 4242 0 -1 4194560 171 0 0 0 3 1 0 0 20 0 1 0 987654 "
+            "10166272 805 18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 1 0 0 0 0 0")
+    assert procs.parse_start(stat) == 987654 and procs.parse_stat(stat) == ("S", 1)
+
+
+# Real-looking /proc/<pid>/cgroup contents.
+V1_JOB_82 = """12:rdma:/
+11:cpuset:/slurm_vm-n2/uid_991/job_82/step_batch
+10:blkio:/system.slice/slurmd.service
+9:pids:/system.slice/slurmd.service
+8:memory:/slurm_vm-n2/uid_991/job_82/step_batch/task_0
+7:devices:/slurm_vm-n2/uid_991/job_82/step_batch
+6:freezer:/slurm_vm-n2/uid_991/job_82/step_batch
+5:cpu,cpuacct:/system.slice/slurmd.service
+4:net_cls,net_prio:/
+3:perf_event:/
+2:hugetlb:/
+1:name=systemd:/system.slice/slurmd.service
+0::/system.slice/slurmd.service
+"""
+CONTAINER_HOST = """9:name=systemd:/
+8:pids:/
+7:blkio:/
+6:freezer:/
+5:devices:/
+4:memory:/process_api/1aeb225b9c7ae6cbb3bcaa6ed2577f18
+3:cpuset:/
+2:cpuacct:/
+1:cpu:/
+0::/
+"""
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    pytest.param(V1_JOB_82, procs.Where(True, "vm-n2", 82, 991), id="v1-multiple-slurmd-all-controllers"),
+    pytest.param("12:pids:/\n10:devices:/slurm/uid_2101171/job_280678/step_interactive/task_0\n"
+                 "6:freezer:/\n1:name=systemd:/user.slice/user-2101171.slice/session-7.scope\n",
+                 procs.Where(True, None, 280678, 2101171), id="v1-one-slurmd-devices-line-only"),
+    pytest.param("6:freezer:/slurm_vm-n2/uid_991/job_82/step_0\n8:memory:/slurm_vm-n2\n",
+                 procs.Where(True, "vm-n2", 82, 991), id="v1-job-beats-node-level"),
+    pytest.param("6:freezer:/slurm_vm-n2\n0::/\n", procs.Where(True, "vm-n2", None), id="v1-node-cgroup"),
+    pytest.param("6:freezer:/slurm/system\n", procs.Where(True, None, None), id="v1-slurmd-system"),
+    pytest.param(v2("/system.slice/slurmstepd.scope/job_42/step_batch/user/task_0"),
+                 procs.Where(True, None, 42), id="v2-batch-task"),
+    pytest.param(v2("/system.slice/slurmstepd.scope/job_42/step_batch/user/task_special"),
+                 procs.Where(True, None, 42), id="v2-task-special"),
+    pytest.param(v2("/system.slice/slurmstepd.scope/job_42/step_extern/slurm"),
+                 procs.Where(True, None, 42), id="v2-stepd"),
+    pytest.param(v2("/system.slice/vm-n1_slurmstepd.scope/job_8/step_0/user/task_3"),
+                 procs.Where(True, "vm-n1", 8), id="v2-multiple-slurmd"),
+    pytest.param(v2("/system.slice/slurmstepd.scope/system"), procs.Where(True, None, None),
+                 id="v2-stepd-infrastructure"),
+    pytest.param(v2("/user.slice/user-1000.slice/session-3.scope"), procs.NOT_SLURM, id="v2-login"),
+    pytest.param(v2("/system.slice/slurmd.service"), procs.NOT_SLURM, id="v2-slurmd-itself"),
+    pytest.param(v2("/init.scope"), procs.NOT_SLURM, id="v2-init"),
+    pytest.param(CONTAINER_HOST, procs.NOT_SLURM, id="v1-container-no-slurm"),
+])
+def test_cgroup_where_knows_v1_and_v2_layouts(text: str, expected: procs.Where) -> None:
+    assert procs.cgroup_where(text) == expected
+
+
+@pytest.mark.parametrize("text", [
+    pytest.param(v2("/job_42/step_batch/user/task_0"), id="v2-cgroup-namespace-no-scope"),
+    pytest.param(v2("/system.slice/slurmstepd.scope/job_x42/step_0"), id="v2-bad-job-id"),
+    pytest.param(v2("/system.slice/slurmstepd.scope/step_0/user"), id="v2-no-job-level"),
+    pytest.param("6:freezer:/slurm/job_42/step_0\n", id="v1-no-uid-level"),
+    pytest.param("6:freezer:/slurm_vm-n2/uid_991/weird\n", id="v1-unknown-below-uid"),
+    pytest.param("6:freezer:/slurm_vm-n2/uid_991/job_41/step_0\n8:memory:/slurm_vm-n2/uid_991/job_42\n",
+                 id="v1-lines-name-two-jobs"),
+    pytest.param("6:freezer:/slurm_vm-n2/uid_991/job_42\n0::/system.slice/slurmstepd.scope/job_41/step_0\n",
+                 id="v1-and-v2-disagree"),
+    pytest.param("6:freezer:/slurm/uid_991/job_42\n0::/system.slice/slurmstepd.scope/job_41/step_0\n",
+                 id="v1-and-v2-disagree-on-the-job-only"),
+    pytest.param("6:freezer:/slurm_vm-n2/uid_991/job_42\n8:memory:/slurm_vm-n2/uid_992/job_42\n",
+                 id="v1-lines-name-two-uids"),
+    pytest.param("6:freezer:/slurm_vm-n2/uid_991/job_42\n8:memory:/slurm_vm-n1\n", id="v1-lines-name-two-nodes"),
+    pytest.param("", id="empty-file"),
+    pytest.param("garbage without lines\n", id="no-cgroup-line"),
+])
+def test_unknown_cgroup_layouts_are_flagged_not_guessed(text: str) -> None:
+    w = procs.cgroup_where(text)
+    assert w.unknown and w.job is None
 
 
 @pytest.mark.parametrize(("cg", "expected"), [
@@ -73,26 +158,101 @@ def test_prolog_leftovers_are_tenant_processes_of_no_live_job_on_this_node() -> 
     assert [p.pid for p in found] == [31, 32, 35]
 
 
+def test_v2_epilog_of_job_41_spares_job_42_of_the_same_user() -> None:
+    scope = "/system.slice/slurmstepd.scope"
+    ps = [proc(10, 0, v2(f"{scope}/job_42/step_batch/slurm"), stepd=42),
+          proc(11, 0, v2(f"{scope}/job_42/step_extern/slurm"), stepd=42),
+          proc(20, 500, v2(f"{scope}/job_42/step_batch/user/task_0")),  # job 42's trainer
+          proc(21, 500, v2(f"{scope}/job_41/step_batch/user/task_0")),  # job 41's leftover
+          proc(22, 500, v2("/user.slice/user-500.slice/session-9.scope")),  # escaped
+          proc(23, 500, v2(f"{scope}/job_40/step_0/user/task_1")),  # an ended job's
+          proc(24, 500, v2("/system.slice/vm-n1_slurmstepd.scope/job_7/step_0/user/task_0"))]  # n1, ended
+    live = procs.live_jobs(ps)
+    assert live[42].uid == 500  # v2 has no uid level: the job's processes tell
+    targets = procs.kill_targets(ps, uid=500, node="vm-n2", job_id=41, live=live)
+    assert [p.pid for p in targets] == [21, 22, 23, 24]
+    assert procs.undecided(ps, {500}) == []
+
+
+def test_unknown_cgroup_layout_fails_closed_in_epilog_and_prolog() -> None:
+    odd = proc(30, 500, v2("/job_43/step_0/user/task_0"))
+    ps = [STEPD_7, odd, proc(31, 500, "/")]
+    live = procs.live_jobs(ps)
+    assert procs.owner(odd, node="n2", job_id=9, live=live) is procs.Owner.UNKNOWN
+    assert [p.pid for p in procs.kill_targets(ps, uid=500, node="n2", job_id=9, live=live)] == [31]
+    undecided = procs.undecided(ps, {500})
+    assert undecided == [odd]
+    v = checks.judge_kill([], [], undecided)
+    assert v.status is Status.FAIL and "neither killed nor spared" in v.message
+    assert "/job_43/step_0" in v.message and v.figures["undecided"] == ["30:x:uid=500"]
+    assert procs.leftovers(ps, tenant_uids={500}, node="n2", job_id=9, live=live) == [ps[2]]
+    p = checks.judge_leftovers([ps[2]], undecided)
+    assert p.status is Status.FAIL and "cannot place" in p.message
+
+
+def test_tmp_files_need_to_know_whose_live_jobs_these_are() -> None:
+    scope = "/system.slice/slurmstepd.scope"
+    ps = [proc(10, 0, v2(f"{scope}/job_43/step_extern/slurm"), stepd=43)]  # no user process yet
+    live = procs.live_jobs(ps)
+    assert live[43].uid is None
+    v = checks.judge_other_jobs(live, 500, 41, "/tmp")
+    assert v is not None and v.status is Status.FAIL and "[43]" in v.message
+    ps.append(proc(20, 500, v2(f"{scope}/job_43/step_0/user/task_0")))
+    v = checks.judge_other_jobs(procs.live_jobs(ps), 500, 41, "/tmp")
+    assert v is not None and v.status is Status.SKIPPED and "[43]" in v.message
+    ps[1] = proc(20, 600, v2(f"{scope}/job_43/step_0/user/task_0"))
+    assert checks.judge_other_jobs(procs.live_jobs(ps), 500, 41, "/tmp") is None  # 600's job: go on
+    assert checks.judge_other_jobs(procs.live_jobs([STEPD_7]), 500, 41, "/tmp").status is Status.SKIPPED  # type: ignore[union-attr]
+
+
+class FakeHandle:
+    """A process that reacts to signals as told; records what it received."""
+
+    def __init__(self, p: procs.Proc, alive: set[int], sent: list[tuple[int, int]],
+                 ignores_term: bool = False, unkillable: bool = False) -> None:
+        self.proc, self.alive, self.sent = p, alive, sent
+        self.ignores_term, self.unkillable, self.closed = ignores_term, unkillable, False
+
+    def send(self, sig: int) -> bool:
+        if self.proc.pid not in self.alive:
+            return False
+        self.sent.append((self.proc.pid, sig))
+        if not self.unkillable and (sig == signal.SIGKILL or not self.ignores_term):
+            self.alive.discard(self.proc.pid)
+        return True
+
+    def gone(self) -> bool:
+        return self.proc.pid not in self.alive
+
+    def close(self) -> None:
+        self.closed = True
+
+
 def test_terminate_escalates_to_kill_for_term_ignoring_processes() -> None:
     sent: list[tuple[int, int]] = []
     alive = {1, 2}
+    handles: dict[int, FakeHandle] = {}
 
-    def fake_kill(pid: int, sig: int) -> None:
-        sent.append((pid, sig))
-        if sig == signal.SIGKILL or pid == 1:  # pid 2 ignores TERM
-            alive.discard(pid)
+    def opener(p: procs.Proc) -> FakeHandle:
+        handles[p.pid] = FakeHandle(p, alive, sent, ignores_term=p.pid == 2)
+        return handles[p.pid]
 
-    res = procs.terminate([proc(1, 5), proc(2, 5)], grace_s=0.05, wait_s=0.05,
-                          signal_fn=fake_kill, is_gone=lambda p: p not in alive, poll_s=0.01)
+    res = procs.terminate([proc(1, 5), proc(2, 5)], grace_s=0.05, wait_s=0.05, open_fn=opener,
+                          poll_s=0.01)
     assert res.needed_kill == (2,) and res.survivors == () and len(res.killed) == 2
     assert (2, signal.SIGKILL) in sent and (1, signal.SIGKILL) not in sent
+    assert all(h.closed for h in handles.values())
 
 
-def test_terminate_reports_unkillable() -> None:
-    res = procs.terminate([proc(3, 5)], grace_s=0.01, wait_s=0.01, signal_fn=lambda p, s: None,
-                          is_gone=lambda p: False, poll_s=0.005)
-    assert [p.pid for p in res.survivors] == [3]
-    assert checks.judge_kill([res], list(res.survivors)).status is Status.FAIL
+def test_terminate_reports_unkillable_and_never_signals_what_it_could_not_verify() -> None:
+    sent: list[tuple[int, int]] = []
+    alive = {3}
+    res = procs.terminate([proc(3, 5), proc(4, 5)], grace_s=0.01, wait_s=0.01, poll_s=0.005,
+                          open_fn=lambda p: FakeHandle(p, alive, sent, unkillable=True) if p.pid == 3 else None)
+    assert [p.pid for p in res.survivors] == [3] and [p.pid for p in res.not_signalled] == [4]
+    assert {pid for pid, _ in sent} == {3}
+    v = checks.judge_kill([res], list(res.survivors))
+    assert v.status is Status.FAIL and v.figures["not_signalled"] == 1
 
 
 # ----------------------------------------------------------------------- judges
@@ -131,11 +291,39 @@ def test_gpu_judges_with_nvml() -> None:
 
 
 def test_wipe_judge() -> None:
-    r = gpu.WipeResult("GPU-a", 80 << 30, 79 << 30, 0, 0.5)
+    r = gpu.WipeResult("GPU-a", 80 << 30, 79 << 30, 79 << 30, 0, 0.5)
     v = checks.judge_wipe([r], 1)
     assert v.status is Status.OK and v.figures["gpu_bytes_wiped"] == 79 << 30
-    assert checks.judge_wipe([gpu.WipeResult("GPU-a", 1, 1, 1, 0.1)], 1).status is Status.FAIL
+    assert v.figures["gpu_wipe_fraction"] == 1.0 and "100.00% of the memory that was free" in v.message
+    assert checks.judge_wipe([gpu.WipeResult("GPU-a", 1, 1, 1, 1, 0.1)], 1).status is Status.FAIL
     assert checks.judge_wipe([r], 2).status is Status.FAIL
+
+
+@pytest.mark.parametrize(("free", "wiped", "passes"), [
+    (10_000, 9_890, False),  # 98.9 %
+    (10_000, 9_899, False),  # 98.99 %
+    (10_000, 9_900, True),  # 99 %
+    (10_000, 10_000, True),
+    (79 << 30, ((79 << 30) * 99 + 99) // 100, True),  # the first byte count reaching 99 %
+    (79 << 30, ((79 << 30) * 99 + 99) // 100 - 1, False),
+    (80 << 30, 4 << 30, False),  # 5 % of a GPU
+    (0, 0, False),  # nothing free: another process holds the GPU, nothing was wiped
+])
+def test_wipe_judge_wants_99_percent_of_the_free_memory(free: int, wiped: int, passes: bool) -> None:
+    r = gpu.WipeResult("GPU-a", 80 << 30, free, wiped, 0, 0.5)
+    v = checks.judge_wipe([r], 1)
+    assert (v.status is Status.OK) is passes, v
+    assert v.figures["gpu_bytes_free"] == free and v.figures["gpu_wipe_fraction"] == round(r.fraction, 6)
+    if not passes:
+        assert "covered too little" in v.message and "need 99%" in v.message
+
+
+def test_wipe_judge_reports_the_fraction_rounded_down_and_judges_each_gpu() -> None:
+    short = gpu.WipeResult("GPU-b", 200_000, 100_000, 98_999, 0, 0.1)  # 98.999 %: not "99.00%"
+    v = checks.judge_wipe([gpu.WipeResult("GPU-a", 100, 100, 100, 0, 0.1), short], 2)
+    assert v.status is Status.FAIL and "{'GPU-b': '98.99%'}" in v.message
+    assert v.figures["gpu_wipe_fraction"] == 0.98999  # the worst GPU
+    assert checks.judge_wipe([gpu.WipeResult("GPU-a", 1, 1000, 5, 0, 0.1)], 1).message.count("0.50%") == 1
 
 
 def test_device_holders_judge() -> None:
