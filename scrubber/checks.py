@@ -117,8 +117,9 @@ def step_remove_scratch(s: Scrub) -> Verdict:
 
 
 # ---------------------------------------------------------------- processes
-def _tenant_uids(prefix: str, job_uid: int) -> set[int]:
-    uids = {p.pw_uid for p in pwd.getpwall() if prefix and p.pw_name.startswith(prefix)}
+def _tenant_uids(prefix: str, job_uid: int, service_users: tuple[str, ...] = ()) -> set[int]:
+    uids = {p.pw_uid for p in pwd.getpwall()
+            if prefix and p.pw_name.startswith(prefix) and p.pw_name not in service_users}
     return (uids | {job_uid}) - {0}  # root's daemons are not a tenant's leftovers
 
 
@@ -140,7 +141,7 @@ def judge_leftovers(found: list[procs.Proc], undecided: list[procs.Proc] | None 
 
 def step_leftover_processes(s: Scrub) -> Verdict:
     ps = procs.list_procs(s.cfg.proc_root)
-    tenants = _tenant_uids(s.cfg.tenant_user_prefix, s.job.uid)
+    tenants = _tenant_uids(s.cfg.tenant_user_prefix, s.job.uid, s.cfg.service_users)
     found = procs.leftovers(ps, tenant_uids=tenants, node=s.job.node, job_id=s.job.job_id,
                             live=procs.live_jobs(ps))
     return judge_leftovers(found, procs.undecided(ps, tenants))

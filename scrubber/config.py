@@ -25,8 +25,10 @@ class ScrubConfig:
     log_dir: Path = Path("/var/log/slurm-finetune")
     # Where the job user's files are removed after its last job on the node.
     tmp_dirs: tuple[Path, ...] = (Path("/tmp"), Path("/dev/shm"))
-    # Unix users whose name starts with this are tenants (prolog: leftover check).
+    # Unix users whose name starts with this are tenants (prolog: leftover check) ...
     tenant_user_prefix: str = "sft-"
+    # ... except these service accounts (the gateway's user, which runs on a one-host cluster).
+    service_users: tuple[str, ...] = ("sft-gateway",)
     proc_root: Path = Path("/proc")
     gres_conf: Path = Path("/etc/slurm/gres.conf")
     # SIGTERM → SIGKILL grace, then how long KILLed processes may take to vanish.
@@ -78,6 +80,10 @@ def _coerce_one(key: str, v: Any) -> Any:
         if not isinstance(v, list | tuple):
             raise TypeError("expected a list of paths")
         return tuple(Path(_text(p)) for p in v)
+    if key == "service_users":
+        if not isinstance(v, list | tuple):
+            raise TypeError("expected a list of user names")
+        return tuple(_text(u) for u in v)
     if key in _FLOATS:
         if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
             raise ValueError("expected a number >= 0")

@@ -3,6 +3,7 @@ judging observations, fault injection, settings."""
 
 from __future__ import annotations
 
+import pwd
 import signal
 from pathlib import Path
 
@@ -360,6 +361,23 @@ def test_config_rejects_unknown_keys_with_the_valid_list(tmp_path: Path) -> None
         load_config(p)
     p.write_text("kill_grace_s = -1\n")
     with pytest.raises(ScrubConfigError, match="kill_grace_s"):
+        load_config(p)
+
+
+def test_service_users_are_not_tenants(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def user(name: str, uid: int) -> pwd.struct_passwd:
+        return pwd.struct_passwd((name, "x", uid, uid, "", "/", "/bin/false"))
+
+    users = [user("root", 0), user("sft-gateway", 999), user("sft-t-a", 987), user("alice", 1000)]
+    monkeypatch.setattr(checks.pwd, "getpwall", lambda: users)
+    assert checks._tenant_uids("sft-", 5) == {999, 987, 5}
+    assert checks._tenant_uids("sft-", 5, ("sft-gateway",)) == {987, 5}  # the gateway's own user
+    assert ScrubConfig().service_users == ("sft-gateway",)
+    p = tmp_path / "scrubber.toml"
+    p.write_text('service_users = ["sft-gw", "sft-ops"]\n')
+    assert load_config(p).service_users == ("sft-gw", "sft-ops")
+    p.write_text('service_users = "sft-gw"\n')
+    with pytest.raises(ScrubConfigError, match="service_users"):
         load_config(p)
 
 
