@@ -10,6 +10,7 @@ pam_slurm_adopt would be).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
@@ -319,5 +320,63 @@ def test_prolog_refuses_node_with_foreign_leftover_and_requeues(
         stop(leftover)
         if jid is not None:
             client.runner.run(["scancel", str(jid)], timeout=10)
+        resume(client)
+    assert drained(client) is None
+
+
+def test_epilog_spares_the_same_users_other_job_on_the_node(
+        client: SlurmClient, scrub_tenants: tuple[str, str]) -> None:
+    """Job Y ends while job X of the same tenant runs on the same node: Y's epilog must
+    leave X's processes (and the tenant's files) alone; X's own epilog then cleans up."""
+    a, _ = scrub_tenants
+    x, dx = sbatch(client, a, "#!/bin/bash\necho READY\nexec sleep 60\n")
+    try:
+        wait_output(dx / f"slurm-{x}.out", "READY")
+        y, _ = sbatch(client, a, "#!/bin/bash\ntrue\n")
+        wait_for(client, y, finished, 60)
+        report = wait_report(y, "epilog")
+        assert report["outcome"] == "ok", report
+        assert step(report, "kill_processes")["figures"]["processes_killed"] == 0, report
+        tmp = step(report, "tmp_files")
+        assert tmp["status"] == "skipped" and f"[{x}]" in tmp["message"], tmp
+        assert client.states([x])[x].state == "RUNNING"
+        assert live_pids(uid_of(a)), "job X's processes were killed by job Y's epilog"
+    finally:
+        client.runner.run(["scancel", str(x)], timeout=10)
+    wait_for(client, x, finished, 60)
+    assert wait_report(x, "epilog")["outcome"] == "ok"
+    assert_no_trace(uid_of(a))
+
+
+def test_unknown_cgroup_layout_fails_closed_and_drains(
+        client: SlurmClient, scrub_tenants: tuple[str, str]) -> None:
+    """A process of the job user in a Slurm-looking cgroup the scrubber does not know is
+    neither killed nor spared: the epilog fails, says why, and the node drains."""
+    a, _ = scrub_tenants
+    odd = FREEZER / f"slurm_{NODE}" / f"uid_{uid_of(a)}" / "not_a_job"
+    escaped, made_uid_dir = None, False
+    try:
+        jid, d = sbatch(client, a, "#!/bin/bash\necho READY\nsleep 3\n")
+        wait_output(d / f"slurm-{jid}.out", "READY")  # after the prolog: it would refuse the node
+        escaped = spawn_as(a, "true")
+        made_uid_dir = not odd.parent.exists()
+        odd.mkdir(parents=True, exist_ok=True)
+        into_cgroup(escaped.pid, odd)
+        wait_for(client, jid, finished, 60)
+        reason = wait_drained(client)
+        report = wait_report(jid, "epilog")
+        assert "pilog" in reason and report["failed_steps"] == ["kill_processes"], report
+        kill = step(report, "kill_processes")
+        assert "cannot place" in kill["message"] and "not_a_job" in kill["message"], kill
+        assert kill["figures"]["undecided"] == [f"{escaped.pid}:sleep:uid={uid_of(a)}"], kill
+        assert escaped.poll() is None, "the undecided process was killed anyway"
+    finally:
+        if escaped is not None:
+            stop(escaped)
+        if odd.exists():
+            odd.rmdir()
+        if made_uid_dir:
+            with contextlib.suppress(OSError):  # Slurm may be using it again
+                odd.parent.rmdir()
         resume(client)
     assert drained(client) is None
