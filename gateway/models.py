@@ -225,3 +225,16 @@ class AuditHead(SQLModel, table=True):
     id: int = Field(primary_key=True, sa_column_kwargs={"autoincrement": False})
     seq: int = 0
     hash: str = Field(max_length=64)
+
+
+class PortalSession(SQLModel, table=True):
+    """One signed-in portal session. The cookie carries a random session id; this row stores only
+    its sha256. A session is valid only while its row exists: sign-out deletes it, so a replayed
+    cookie is refused by every gateway process. Expired rows are pruned at sign-in."""
+
+    __tablename__ = "portal_sessions"
+
+    id_hash: str = Field(primary_key=True, max_length=64)
+    token_id: int = Field(foreign_key="api_tokens.id", index=True)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    expires_at: datetime = Field(sa_type=UTCDateTime, index=True)

@@ -1,4 +1,4 @@
-"""Sign-in with an API token, sign-out, and the landing redirects."""
+"""Sign-in with an API token, sign-out (ends the session server-side), and the landing redirects."""
 
 from __future__ import annotations
 
@@ -17,11 +17,14 @@ from gateway.portal.session import (
     SESSION_S,
     NeedLogin,
     check_csrf,
+    close_session,
     cookie_args,
     current_user,
     new_login_cookie,
-    new_session_cookie,
+    open_session,
     portal_key,
+    secure_cookies,
+    session_payload,
     unsign,
 )
 from gateway.portal.web import PortalRoute, UserDep, portal_access, render
@@ -79,14 +82,21 @@ def login(request: Request, session: SessionDep, token: Annotated[str, Form(max_
                                  "Ask your tenant administrator for a new one.")
     default = "/portal/admin" if principal.role.value == "sysadmin" else "/portal/jobs"
     resp = RedirectResponse(safe_next(next, default), status_code=303)
-    resp.set_cookie(COOKIE, new_session_cookie(key, row), **cookie_args(request, SESSION_S))
-    resp.delete_cookie(LOGIN_COOKIE, path="/portal")
+    resp.set_cookie(COOKIE, open_session(session, key, row), **cookie_args(request, SESSION_S))
+    resp.delete_cookie(LOGIN_COOKIE, path="/portal", secure=secure_cookies(request), httponly=True,
+                       samesite="strict")
     return resp
 
 
 @router.post("/portal/logout", dependencies=[portal_access(Policy.AUTHENTICATED)])
-def logout(request: Request, user: UserDep, csrf: Annotated[str, Form(max_length=100)] = "") -> Response:
+def logout(request: Request, session: SessionDep, user: UserDep,
+           csrf: Annotated[str, Form(max_length=100)] = "") -> Response:
+    """End the session on the server (its cookie is refused from now on, by every worker), then drop it."""
     check_csrf(user.csrf, csrf)
+    payload = session_payload(request)
+    if payload is not None:
+        close_session(session, payload)
     resp = RedirectResponse("/portal/login?signed_out=1", status_code=303)
-    resp.delete_cookie(COOKIE, path="/portal")
+    resp.delete_cookie(COOKIE, path="/portal", secure=secure_cookies(request), httponly=True,
+                       samesite="strict")
     return resp

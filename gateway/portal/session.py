@@ -1,9 +1,15 @@
-"""Portal sessions: a signed cookie naming the API token it was opened with, and CSRF tokens.
+"""Portal sessions: a signed cookie naming a server-side session row, and CSRF tokens.
 
-The cookie holds ``{token id, a prefix of the token's hash, CSRF token, expiry}``
+The cookie holds ``{session id, token id, a prefix of the token's hash, CSRF token, expiry}``
 signed with HMAC-SHA256. The signing key is generated once into a 0600 file in
-the gateway's storage (never a built-in default); every request re-reads the token
-row, so revoking the token ends its portal sessions at once.
+the gateway's storage (never a built-in default). Every request re-reads the session row
+and the token row: signing out deletes the session row (``portal_sessions``, which stores
+only the id's sha256), so replaying the old cookie is refused by every gateway process
+(``--workers N`` included); revoking the token ends its portal sessions at once.
+
+Why a table and not a revocation list: a session counts only while the server knows it
+(an allow-list), so a forged or replayed cookie also needs a live row, and sign-out is one
+DELETE. The cost is one primary-key read per portal page; the API's routes never read it.
 """
 
 from __future__ import annotations
@@ -16,14 +22,16 @@ import os
 import secrets
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import sqlalchemy as sa
 from fastapi import Request
-from sqlmodel import Session
+from sqlmodel import Session, col
 
 from gateway.config import Settings
-from gateway.models import ApiToken, Role, Tenant
+from gateway.models import ApiToken, PortalSession, Role, Tenant
 from gateway.services import Forbidden, ServiceError
 from gateway.services.tokens import Principal
 
@@ -33,6 +41,7 @@ SESSION_S = 12 * 3600
 LOGIN_S = 3600
 CSRF_HEADER = "x-csrf-token"
 CSRF_FIELD = "csrf"
+SECURE_MODES = ("auto", "always", "never")     # Settings.cookie_secure
 
 
 class NeedLogin(Exception):
@@ -41,6 +50,11 @@ class NeedLogin(Exception):
 
 class CsrfRefused(Forbidden):
     code = "csrf_failed"
+
+
+class BadSetting(ServiceError):
+    status = 500
+    code = "bad_setting"
 
 
 @dataclass(frozen=True)
@@ -117,9 +131,34 @@ def unsign(key: bytes, value: str | None) -> dict[str, Any] | None:
     return payload
 
 
-def new_session_cookie(key: bytes, token: ApiToken) -> str:
-    return sign(key, {"tid": token.id, "th": token.token_hash[:16], "csrf": secrets.token_urlsafe(24),
-                      "exp": int(time.time()) + SESSION_S})
+def _sid_hash(sid: str) -> str:
+    return hashlib.sha256(sid.encode()).hexdigest()
+
+
+def open_session(session: Session, key: bytes, token: ApiToken) -> str:
+    """Record a new portal session for ``token`` and return its signed cookie value.
+
+    Commits, so the session exists before the browser follows the sign-in redirect
+    (possibly to another worker). Sessions past their expiry are pruned on the way.
+    """
+    assert token.id is not None
+    sid = secrets.token_urlsafe(32)
+    now = datetime.now(UTC)
+    exp = int(now.timestamp()) + SESSION_S
+    session.execute(sa.delete(PortalSession).where(col(PortalSession.expires_at) < now))
+    session.add(PortalSession(id_hash=_sid_hash(sid), token_id=token.id, created_at=now,
+                              expires_at=now + timedelta(seconds=SESSION_S)))
+    session.commit()
+    return sign(key, {"sid": sid, "tid": token.id, "th": token.token_hash[:16],
+                      "csrf": secrets.token_urlsafe(24), "exp": exp})
+
+
+def close_session(session: Session, payload: dict[str, Any]) -> None:
+    """End the session of a (verified) cookie payload: its cookie is refused from now on."""
+    sid = payload.get("sid")
+    if isinstance(sid, str):
+        session.execute(sa.delete(PortalSession).where(col(PortalSession.id_hash) == _sid_hash(sid)))
+        session.commit()
 
 
 def new_login_cookie(key: bytes) -> tuple[str, str]:
@@ -129,9 +168,14 @@ def new_login_cookie(key: bytes) -> tuple[str, str]:
 
 
 def principal_for(session: Session, payload: dict[str, Any]) -> Principal | None:
-    """The principal of a session payload; None once its token is revoked or unknown."""
-    tid = payload.get("tid")
-    row = session.get(ApiToken, tid) if isinstance(tid, int) else None
+    """The principal of a session payload; None once signed out, expired, or its token revoked."""
+    sid, tid = payload.get("sid"), payload.get("tid")
+    if not isinstance(sid, str) or not isinstance(tid, int):
+        return None
+    live = session.get(PortalSession, _sid_hash(sid))
+    if live is None or live.token_id != tid or live.expires_at <= datetime.now(UTC):
+        return None
+    row = session.get(ApiToken, tid)
     if row is None or row.id is None or row.revoked_at is not None \
             or not hmac.compare_digest(row.token_hash[:16], str(payload.get("th", ""))):
         return None
@@ -140,10 +184,14 @@ def principal_for(session: Session, payload: dict[str, Any]) -> Principal | None
                      tenant.unix_user if tenant else None)
 
 
+def session_payload(request: Request) -> dict[str, Any] | None:
+    """The verified, unexpired payload of this request's session cookie (not checked against the DB)."""
+    return unsign(portal_key(request), request.cookies.get(COOKIE))
+
+
 def current_user(request: Request, session: Session) -> PortalUser:
     """The signed-in user of this request. Raises NeedLogin."""
-    key = portal_key(request)
-    payload = unsign(key, request.cookies.get(COOKIE))
+    payload = session_payload(request)
     principal = principal_for(session, payload) if payload else None
     if payload is None or principal is None:
         raise NeedLogin()
@@ -165,6 +213,19 @@ def portal_key(request: Request) -> bytes:
     return key  # type: ignore[no-any-return]
 
 
+def secure_cookies(request: Request) -> bool:
+    """Whether cookies get ``Secure``: ``SFT_COOKIE_SECURE`` = auto (only when this request came
+    over TLS), always (a TLS-terminating proxy in front speaks plain HTTP to us), never."""
+    mode = request.app.state.settings.cookie_secure
+    if mode == "always":
+        return True
+    if mode == "never":
+        return False
+    if mode != "auto":
+        raise BadSetting(f"SFT_COOKIE_SECURE is {mode!r}: set it to one of {', '.join(SECURE_MODES)}")
+    return bool(request.url.scheme == "https")
+
+
 def cookie_args(request: Request, max_age: int) -> dict[str, Any]:
     return {"max_age": max_age, "httponly": True, "samesite": "strict", "path": "/portal",
-            "secure": request.url.scheme == "https"}
+            "secure": secure_cookies(request)}

@@ -16,9 +16,11 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 from fastapi.routing import APIRoute
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from sqlmodel import Session
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.access import OPERATOR_ROLES, Policy, admits, declares, refusal
 from gateway.api.deps import get_session, now_for
+from gateway.api.limits import SCOPE_FLAG as BODY_TOO_LARGE
 from gateway.portal.session import NeedLogin, PortalUser, current_user
 from gateway.services import Forbidden, ServiceError
 
@@ -101,11 +103,17 @@ class PortalRoute(APIRoute):
                 response = RedirectResponse(f"/portal/login?next={target}", status_code=303)
             except ServiceError as e:
                 response = error_page(request, e.status, e.message)
+            except StarletteHTTPException as e:   # e.g. a body FastAPI could not parse
+                if request.scope.get(BODY_TOO_LARGE):
+                    return Response(status_code=413)   # the body-limit middleware has answered already
+                response = error_page(request, e.status_code, str(e.detail))
             except RequestValidationError as e:
                 first = e.errors()[0] if e.errors() else {}
                 where = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path"))
                 response = error_page(request, 400, f"{where or 'request'}: {first.get('msg', 'invalid')}")
             except Exception:
+                if request.scope.get(BODY_TOO_LARGE):   # reading the body was cut off: not our failure
+                    return Response(status_code=413)
                 ref = uuid.uuid4().hex[:12]
                 log.exception("portal error %s", ref)
                 response = error_page(request, 500, f"Something went wrong on our side (reference {ref}).")

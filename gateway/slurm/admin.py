@@ -9,6 +9,7 @@ from __future__ import annotations
 import grp
 import os
 import pwd
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,8 @@ from gateway.slurm.validate import validate_qos_name, validate_tenant_name
 
 ORGANIZATION = "slurm-finetune"
 _QUIET_NOOPS = ("Nothing new added", "Nothing modified", "Nothing to modify")
+_UNIX_USER = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
+OPERATOR_LEVELS = ("Operator", "Administrator")
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,12 @@ class Tenant:
     default_qos: str | None
     storage: Path
     storage_ok: bool
+
+
+def _valid_unix_user(user: str) -> str:
+    if not isinstance(user, str) or not _UNIX_USER.fullmatch(user):
+        raise ValueError(f"not a unix user name: {user!r}")
+    return user
 
 
 def unix_user_for(tenant: str) -> str:
@@ -94,6 +103,32 @@ class Admin:
         if not self._show("account", self.parent, "format=Account"):
             self._sacctmgr("add", "account", self.parent, f"Organization={ORGANIZATION}",
                            "Description=slurm-finetune tenants")
+
+    # ------------------------------------------------------- the gateway
+    def admin_level(self, user: str) -> str | None:
+        """The Slurm AdminLevel of ``user`` (None, Operator, Administrator); None when Slurm has no such user."""
+        rows = self._show("user", _valid_unix_user(user), "format=User,AdminLevel")
+        return next((r[1] for r in rows if len(r) == 2 and r[0] == user), None)
+
+    def ensure_operator(self, user: str = "sft-gateway") -> bool:
+        """Make the gateway's service user a Slurm Operator (idempotent; returns whether anything changed).
+
+        With ``PrivateData=jobs,usage,users,accounts`` a regular user sees only its own jobs and
+        usage; an Operator still sees every tenant's jobs (squeue, sacct), usage (sshare) and
+        associations, and may cancel, hold and requeue any job: what the reconciler needs. The user
+        gets an association under the parent account (sacctmgr wants one); an Administrator is left
+        as it is.
+        """
+        level = self.admin_level(user)
+        if level in OPERATOR_LEVELS:
+            return False
+        if level is None:
+            self.ensure_parent_account()
+            self._sacctmgr("add", "user", user, f"Account={self.parent}", f"DefaultAccount={self.parent}",
+                           "AdminLevel=Operator")
+        else:
+            self._sacctmgr("modify", "user", "where", f"name={user}", "set", "AdminLevel=Operator")
+        return True
 
     def add_tenant(self, name: str, *, shares: int, qos: Sequence[str]) -> Tenant:
         """Onboard (or update) a tenant: unix user/group, Slurm account + user, storage.

@@ -2,7 +2,8 @@
 
 ``up`` installs what is missing (apt), renders configs from slurm_templates/,
 creates fake GPU device files, starts every daemon it needs (recording PIDs),
-applies the QOS policy and waits until both nodes are idle. It is idempotent.
+applies the QOS policy, makes the gateway's service user a Slurm Operator (the
+configs set PrivateData) and waits until both nodes are idle. It is idempotent.
 ``down`` stops only the PIDs ``up`` recorded; a MariaDB that was already running
 is reused and left alone.
 """
@@ -60,6 +61,7 @@ class DevClusterConfig:
     storage_root: Path = Path("/srv/slurm-finetune")
     db_name: str = "slurm_acct_db"
     db_user: str = "slurm"
+    service_user: str = "sft-gateway"     # the gateway's unix user: made a Slurm Operator
     node_names: tuple[str, ...] = field(default=())
 
     def names(self) -> tuple[str, ...]:
@@ -179,8 +181,10 @@ class DevCluster:
         if pid and self._alive(pid):
             return
         log = open(self.cfg.log_dir / f"{key}.console.log", "ab")  # noqa: SIM115
+        # cwd "/": a daemon must not keep the caller's directory (a checkout, a temp dir) busy,
+        # nor lose it: the prolog's `python -m` dies when its inherited cwd has been removed.
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,  # noqa: S603
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True, cwd="/")
         log.close()
         pids[key] = proc.pid
         self._save_pids(pids)
@@ -218,7 +222,11 @@ class DevCluster:
         for n in self.cfg.names():
             self._spawn(f"slurmd-{n}", ["slurmd", "-D", "-N", n], pids)
         self._wait("nodes", self._nodes_usable, 60)
-        Admin(self.runner, storage_root=self.cfg.storage_root).apply_qos(load_policy())
+        admin = Admin(self.runner, storage_root=self.cfg.storage_root)
+        admin.apply_qos(load_policy())
+        # PrivateData hides other users' jobs and usage: the gateway must still see and act on all of them.
+        if admin.ensure_operator(self.cfg.service_user):
+            self.echo(f"{self.cfg.service_user} is now a Slurm Operator (sees and manages every tenant's jobs)")
         return time.monotonic() - t0
 
     def ensure_packages(self) -> None:
