@@ -2,7 +2,7 @@
 
 The cookie holds ``{session id, token id, a prefix of the token's hash, CSRF token, expiry}``
 signed with HMAC-SHA256. The signing key is generated once into a 0600 file in
-the gateway's storage (never a built-in default). Every request re-reads the session row
+the gateway's state dir (never a built-in default). Every request re-reads the session row
 and the token row: signing out deletes the session row (``portal_sessions``, which stores
 only the id's sha256), so replaying the old cookie is refused by every gateway process
 (``--workers N`` included); revoking the token ends its portal sessions at once.
@@ -73,7 +73,9 @@ class PortalUser:
 
 
 def secret_path(settings: Settings) -> Path:
-    return settings.storage_root / ".gateway" / "portal-secret"
+    """In the gateway's own state dir (``SFT_STATE_DIR``, 0700, the service user's), never in the
+    tenant storage the gateway no longer reads itself."""
+    return settings.state_dir / "portal-secret"
 
 
 def load_secret(settings: Settings) -> bytes:
@@ -87,6 +89,10 @@ def load_secret(settings: Settings) -> bytes:
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
+        parent = os.stat(path.parent)
+        if os.geteuid() == 0 and parent.st_uid != 0:
+            # root (tests, the demo) making it in the service user's state dir: the dropped gateway reads it
+            os.fchown(f.fileno(), parent.st_uid, parent.st_gid)
         f.write(secrets.token_hex(32))
         f.flush()
         os.fsync(f.fileno())
@@ -100,9 +106,14 @@ def load_secret(settings: Settings) -> bytes:
 
 
 def _read_key(path: Path) -> bytes:
-    if path.stat().st_mode & 0o077:
+    try:
+        mode = path.stat().st_mode
+        key = path.read_text().strip()
+    except PermissionError:
+        raise ServiceError(f"{path} is not readable by the gateway's user: chown it to the service user "
+                           "(or delete it to have a new one made)", code="insecure_secret") from None
+    if mode & 0o077:
         raise ServiceError(f"{path} is readable by others: chmod 600 it", code="insecure_secret")
-    key = path.read_text().strip()
     if len(key) < 32:
         raise ServiceError(f"{path} holds no usable key: delete it to have a new one made",
                            code="insecure_secret")
