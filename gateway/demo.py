@@ -14,7 +14,6 @@ import json
 import os
 import socket
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,23 +46,50 @@ def _register_tiny_model(root: Path, echo: Callable[[str], None]) -> str:
         return catalog.add(catalog.make_tiny(Path(tmp) / "tiny"), MODEL, root).digest
 
 
-def _start_gateway(settings: Settings) -> tuple[str, Any]:
-    import uvicorn
+class _Gateway:
+    """The gateway in a child process that drops to the service user before it serves (the
+    control plane never runs as root); the demo itself stays a client."""
 
-    from gateway.api.app import create_app
+    def __init__(self, settings: Settings):
+        from gateway.privsep import become_service_user, give_database_to_service_user
 
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    threading.Thread(target=server.run, name="gateway", daemon=True).start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
+        give_database_to_service_user(settings)
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.pid = os.fork()
+        if self.pid != 0:
+            import atexit
+
+            atexit.register(self.stop)
+        if self.pid == 0:           # the child: drop, then serve until told to stop
+            code = 1
+            try:
+                import uvicorn
+
+                from gateway.api.app import create_app
+
+                become_service_user(settings)
+                uvicorn.run(create_app(settings), host="127.0.0.1", port=self.port, log_level="warning")
+                code = 0
+            finally:
+                os._exit(code)
+        for _ in range(600):
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("the gateway did not start")
+
+    def stop(self) -> None:
+        import signal
+
         try:
-            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                return url, server
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise RuntimeError("the gateway did not start")
+            os.kill(self.pid, signal.SIGTERM)
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
 
 
 def _sample_generation(model_dir: Path, adapter_dir: Path) -> tuple[str, str]:
@@ -117,8 +143,10 @@ def run_demo(settings: Settings, echo: Callable[[str], None] = print) -> int:
     echo(f"[2/7] tenant {TENANT}: unix user {tenant.unix_user}, Slurm account {TENANT} "
          f"(QOS {','.join(tenant.qos)}), storage {tenant.storage} (0700), API token minted")
     digest = _register_tiny_model(settings.models_root, echo)
-    url, server = _start_gateway(settings)
-    echo(f"[3/7] gateway on {url} (database {settings.database_url}); base model {MODEL} pinned at {digest[:19]}...")
+    server = _Gateway(settings)
+    url = server.url
+    echo(f"[3/7] gateway on {url} as {settings.service_user} (pid {server.pid}; database "
+         f"{settings.database_url}); base model {MODEL} pinned at {digest[:19]}...")
     headers = {"Authorization": f"Bearer {token}"}
     client = httpx.Client(base_url=url, headers=headers, timeout=120)
     out.mkdir(exist_ok=True)
@@ -148,7 +176,7 @@ def run_demo(settings: Settings, echo: Callable[[str], None] = print) -> int:
             last = line
     if job["status"] != "succeeded":
         echo(f"[6/7] FAILED: {job['status']}: {(job.get('error') or {}).get('message')}")
-        server.should_exit = True
+        server.stop()
         return 1
     files: dict[str, Path] = {}
     for fid in job["result_files"]:
@@ -169,7 +197,7 @@ def run_demo(settings: Settings, echo: Callable[[str], None] = print) -> int:
     while job["cleanup"] != "confirmed" and time.monotonic() < deadline:
         time.sleep(1)
         job = client.get(f"/v1/fine_tuning/jobs/{job['id']}").json()
-    server.should_exit = True
+    server.stop()
     echo(f"[7/7] done in {time.monotonic() - t_start:.0f}s; node cleanup: {job['cleanup']}")
     echo(f"      adapter (PEFT):   {adapter}\n      results:          {out}\n"
          f"      job dir (tenant): {job_dir(settings, TENANT, job['id'])}\n"

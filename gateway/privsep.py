@@ -77,3 +77,33 @@ def _check_database(url: str) -> None:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise PrivilegeError(f"the service user cannot write the database directory {parent}: "
                              "put the SQLite file in the state dir (SFT_STATE_DIR) or a dir it owns")
+
+
+def give_database_to_service_user(settings: Any) -> None:
+    """After root prepared a SQLite database (migrations, a first token: the demo, the tests), hand
+    the file and its WAL/SHM to the service user (0600). Links are never followed."""
+    if os.geteuid() != 0 or not settings.database_url.startswith("sqlite:///"):
+        return
+    pw = pwd.getpwnam(settings.service_user)
+    path = Path(settings.database_url.split("///", 1)[-1])
+    for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                os.fchown(fd, pw.pw_uid, pw.pw_gid)
+                os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
+
+
+def service_owned_dir(settings: Any, name: str) -> Path:
+    """A fresh 0700 dir of the service user under its state dir (root only): for a database
+    that a root process prepares and a dropped gateway then serves (tests, demo)."""
+    pw = pwd.getpwnam(settings.service_user)
+    _own_dir(settings.state_dir, pw.pw_uid, pw.pw_gid)
+    path = settings.state_dir / name
+    _own_dir(path, pw.pw_uid, pw.pw_gid)
+    return path

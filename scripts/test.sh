@@ -22,6 +22,8 @@ if [ "$(id -u)" = 0 ]; then
     echo "== dev cluster"
     "$PREFIX/venv/bin/finetune" dev-cluster up
 fi
+# a storage broker left by an earlier run may hold older code: the tests start a fresh one
+pkill -f "gateway.storage.broker" 2>/dev/null || true
 echo "== pytest (all tiers)"
 set +e
 # -m "slow or not slow": also the slow tests (the real SmolLM2 import), which a plain run skips

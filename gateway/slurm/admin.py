@@ -7,7 +7,6 @@ time, and a partially onboarded tenant is completed by running it again.
 from __future__ import annotations
 
 import grp
-import os
 import pwd
 import re
 from collections.abc import Sequence
@@ -176,14 +175,9 @@ class Admin:
         return pw.pw_uid, pw.pw_gid
 
     def _ensure_storage(self, name: str, uid: int, gid: int) -> None:
-        tenants = self.storage_root / "tenants"
-        tenants.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.storage_root, 0o755)
-        os.chmod(tenants, 0o711)  # traversable, not listable: tenants cannot enumerate tenants
-        home = tenants / name
-        home.mkdir(exist_ok=True)
-        os.chown(home, uid, gid)
-        os.chmod(home, 0o700)
+        from gateway.storage import create_tenant_root
+
+        create_tenant_root(self.storage_root, name, uid, gid)   # tenants/ 0711: not listable
 
     def list_tenants(self) -> list[Tenant]:
         rows = self._show("association", "format=Account,User,ParentName,Fairshare,QOS,DefaultQOS")

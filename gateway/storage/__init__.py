@@ -31,7 +31,8 @@ from gateway.storage import layout
 from gateway.storage.broker import BrokerError, recv_msg, run_verb, send_msg
 from gateway.storage.verbs import Reply
 
-__all__ = ["create_tenant_root", "Storage", "StorageUnavailable", "TenantRunner", "TenantStorage", "Upload", "layout", "storage_for"]
+__all__ = ["Storage", "StorageUnavailable", "TenantRunner", "TenantStorage", "Upload", "create_tenant_root",
+           "layout", "storage_for"]
 
 
 class StorageUnavailable(ServiceError):

@@ -40,9 +40,12 @@ def ensure_broker(socket_path: Path, service_user: str | None, wait_s: float = 1
         except KeyError:
             pass
     LOG.parent.mkdir(parents=True, exist_ok=True)
+    # a clean environment: nothing of the caller's (database URL, tokens) reaches the broker
+    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
+           **{k: v for k, v in os.environ.items() if k in ("SLURM_CONF", "PYTHONPATH")}}
     with open(LOG, "ab") as log:
-        subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,  # noqa: S603
-                         start_new_session=True, close_fds=True)
+        subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,  # noqa: S603
+                         cwd="/", start_new_session=True, close_fds=True)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if answers(socket_path):

@@ -16,7 +16,15 @@ from sqlmodel import Session
 
 from gateway.db import make_engine, migrate
 from gateway.services.tenants import ensure_tenant
-from tests.service.conftest import TENANT_A, TENANT_B, _free_port, chat_lines, wait_port
+from tests.service.conftest import (
+    TENANT_A,
+    TENANT_B,
+    _free_port,
+    chat_lines,
+    onboard_storage,
+    tenant_storage_root,
+    wait_port,
+)
 
 pytestmark = pytest.mark.service
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,12 +33,16 @@ LIMIT = 256 * 1024 * 1024
 
 
 class Live:
-    def __init__(self, tmp: Path):
-        self.storage = tmp / "storage"
-        self.storage.mkdir()
+    def __init__(self, tmp: Path, storage: Path):
+        from gateway.config import Settings
+        from gateway.privsep import service_owned_dir
+
+        self.storage = storage
+        onboard_storage(storage, TENANT_A, TENANT_B)
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.env = {**os.environ, "SFT_DATABASE_URL": f"sqlite:///{tmp / 'gw.db'}",
+        db_dir = service_owned_dir(Settings(), f"test-live-{self.port}")
+        self.env = {**os.environ, "SFT_DATABASE_URL": f"sqlite:///{db_dir / 'gw.db'}",
                     "SFT_STORAGE_ROOT": str(self.storage), "SFT_DEFAULT_MODEL": "",
                     "SFT_MAX_UPLOAD_BYTES": str(LIMIT), "SFT_CREDENTIALS_FILE": str(tmp / "cred.json")}
         engine = make_engine(self.env["SFT_DATABASE_URL"])
@@ -42,8 +54,11 @@ class Live:
         engine.dispose()
         self.tokens = {t: self.cli("admin", "token", "create", "--tenant", t, "--json").json()["token"]
                        for t in (TENANT_A, TENANT_B)}
+        from gateway.privsep import give_database_to_service_user
+
+        give_database_to_service_user(Settings(database_url=self.env["SFT_DATABASE_URL"]))
         self.proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(self.port),
-                                      "--log-level", "warning"], cwd=ROOT, env=self.env)
+                                      "--log-level", "warning"], cwd="/", env=self.env)
         wait_port(self.port)
 
     def cli(self, *args: str, token: str | None = None, check: bool = True) -> CliResult:
@@ -73,10 +88,11 @@ class CliResult:
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     tmp = tmp_path_factory.mktemp("live")
     os.chmod(tmp, 0o755)
-    server = Live(tmp)
-    yield server
-    server.proc.terminate()
-    server.proc.wait(10)
+    for storage in tenant_storage_root():
+        server = Live(tmp, storage)
+        yield server
+        server.proc.terminate()
+        server.proc.wait(10)
 
 
 def test_official_openai_client(live: Live, tmp_path: Path) -> None:

@@ -58,10 +58,15 @@ class LiveGateway:
 
     def __init__(self, workdir: Path, tenants: tuple[str, ...], db_url: str | None = None, **env: str):
         ensure_tiny_model()
+        from gateway.config import Settings
+        from gateway.privsep import service_owned_dir
+
         self.workdir = workdir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.db_url = db_url or f"sqlite:///{workdir / 'gw.db'}"
+        # the gateway drops to its service user: its SQLite file lives in a dir that user owns
+        self.db_dir = service_owned_dir(Settings(), f"test-{workdir.name}-{self.port}")
+        self.db_url = db_url or f"sqlite:///{self.db_dir / 'gw.db'}"
         self.env = {**os.environ, "SFT_DATABASE_URL": self.db_url, "SFT_RECONCILE_INTERVAL_S": "0.5",
                     "SFT_CANCEL_DEADLINE_S": "10", "SFT_CREDENTIALS_FILE": str(workdir / "cred.json"),
                     **env}
@@ -74,14 +79,19 @@ class LiveGateway:
                 admin.add_tenant(t, shares=5, qos=["ft-small", "ft-standard"])
                 self.tokens[t], _ = create_token(session=s, role=Role.MEMBER, tenant=ensure_tenant(session=s, name=t))
             s.commit()
+        from gateway.privsep import give_database_to_service_user
+
+        give_database_to_service_user(Settings(database_url=self.db_url))
         self.engine = engine
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
     def start(self) -> None:
         self.log = open(self.workdir / f"serve-{self.port}.log", "ab")  # noqa: SIM115
+        # from the runtime's installed copy (cwd outside the checkout): after dropping to its service
+        # user the gateway may not be able to read the checkout (CI clones under root's home)
         self.proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(self.port),
-                                      "--log-level", "warning"], cwd=ROOT, env=self.env,
+                                      "--log-level", "warning"], cwd="/", env=self.env,
                                      stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while True:
