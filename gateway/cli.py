@@ -272,6 +272,36 @@ def audit_verify(key_file: Path | None, as_json: bool) -> None:
         sys.exit(2 if verdict.anchor == UNCHECKED else 1)
 
 
+@audit_group.command("reanchor")
+@click.option("--reason", required=True, help="Why (a ticket): recorded in the log with the verdict before.")
+@click.option("--key-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="The anchor key (default: SFT_AUDIT_KEY_FILE); made if missing.")
+@friendly_errors
+def audit_reanchor(reason: str, key_file: Path | None) -> None:
+    """Sign the head as it is now (after investigating a verdict, or for a database that is
+    newer than its key file). Appends an audit.reanchor entry naming the verdict before; it
+    hides no broken entry (verify still names those)."""
+    from gateway import audit
+    from gateway.services.staff import db_now
+    from gateway.services.tokens import local_admin
+
+    engine = _token_db()
+    if key_file is not None:
+        audit.use_key_file(engine, key_file)
+    before = audit.verify(engine, key_file=key_file or get_settings().audit_key_file)
+    from sqlmodel import Session
+
+    with Session(engine) as session:
+        now = db_now(session)
+    try:
+        seq = audit.reanchor(engine, at=now, actor=audit.Actor(None, "sysadmin"),
+                             reason=f"by {local_admin().label}: {reason}; before: {before.message()}")
+    except audit.KeyUnavailable as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"before: {before.message()}")
+    click.echo(f"re-anchored at entry {seq}: {audit.verify(engine, key_file=key_file).message()}")
+
+
 @admin.group()
 def qos() -> None:
     """QOS tiers."""

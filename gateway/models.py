@@ -79,6 +79,12 @@ class ApiToken(SQLModel, table=True):
     token_hash: str = Field(index=True, unique=True, max_length=64)
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     revoked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    # Provenance (gateway.services.tokens): who minted it, and whether an operator (the
+    # root CLI, or a token descending from an operator's mint) may hold the secret.
+    minted_by: str = Field(default="", max_length=100)
+    minted_by_token_id: int | None = None
+    minted_by_operator: bool = True
+    revoked_by: str | None = Field(default=None, max_length=100)
 
 
 class DataFile(SQLModel, table=True):
@@ -225,6 +231,8 @@ class AuditHead(SQLModel, table=True):
     id: int = Field(primary_key=True, sa_column_kwargs={"autoincrement": False})
     seq: int = 0
     hash: str = Field(max_length=64)
+    mac: str | None = Field(default=None, max_length=64)       # HMAC-SHA256(key file, seq + hash)
+    key_id: str | None = Field(default=None, max_length=16)    # which key made it (gateway.audit.key_id)
 
 
 class PortalSession(SQLModel, table=True):

@@ -606,5 +606,90 @@ def audit_list(limit: int, before: int | None, as_json: bool) -> None:
         _echo_json(data)
         return
     for e in data:
-        click.echo(f"{e['seq']:>6}  {e['at'][:19]}Z  {e['actor_role']}#{e['actor_token_id']:<4} {e['action']:<18} "
+        actor = e["actor_token_id"] or "-"     # none: the local admin CLI
+        click.echo(f"{e['seq']:>6}  {e['at'][:19]}Z  {e['actor_role']}#{actor:<4} {e['action']:<18} "
                    f"{e['resource'] or '-':<40} {e['outcome']:<7} {e['reason']}")
+
+
+# ----------------------------------------------------------------------- tokens
+def _token_line(t: dict[str, Any]) -> str:
+    state = f"revoked {_when(t['revoked_at'])} by {t.get('revoked_by') or '?'}" if t.get("revoked_at") else "active"
+    decides = "  decides access" if t.get("decides_access") else ""
+    return (f"#{t['id']:<5} {t['role']:<13} {t['name'] or '-':<20} {t['prefix']}…  created {_when(t['created_at'])}  "
+            f"minted by {t['minted_by']}{' (operator)' if t.get('minted_by_operator') else ''}  {state}{decides}")
+
+
+@click.group("tokens")
+def tokens() -> None:
+    """Your tenant's API tokens: who minted each, rotate yours (admins: create, revoke)."""
+
+
+@tokens.command("list")
+@click.option("--json", "as_json", is_flag=True)
+def tokens_list(as_json: bool) -> None:
+    """Every token of your tenant (revoked ones too) and who minted or revoked it; use is not tracked."""
+    data = call("GET", "/v1/tokens").json()["data"]
+    if as_json:
+        _echo_json(data)
+        return
+    for t in data:
+        click.echo(_token_line(t))
+
+
+def _show_new(obj: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        _echo_json(obj)
+        return
+    click.echo(f"token #{obj['id']} ({obj['role']}), shown once: {obj['token']}")
+    if obj["role"] == "tenant_admin" and not obj.get("decides_access"):
+        click.echo("  it cannot decide staff access requests (operator-minted): ask one of your tenant's own "
+                   "admins (`finetune tokens list`) to mint you one")
+
+
+@tokens.command("create")
+@click.option("--role", type=click.Choice(["member", "tenant_admin"]), default="member", show_default=True)
+@click.option("--name", default="", help="A label shown in listings.")
+@click.option("--json", "as_json", is_flag=True)
+def tokens_create(role: str, name: str, as_json: bool) -> None:
+    """Mint a token for your tenant (tenant admins); it is shown once."""
+    _show_new(call("POST", "/v1/tokens", json={"role": role, "name": name}).json(), as_json)
+
+
+@tokens.command("revoke")
+@click.argument("token_id", type=click.IntRange(1, 2**31 - 1))
+@click.option("--json", "as_json", is_flag=True)
+def tokens_revoke(token_id: int, as_json: bool) -> None:
+    """Revoke one of your tenant's tokens (tenant admins)."""
+    obj = call("POST", f"/v1/tokens/{token_id}/revoke").json()
+    _echo_json(obj) if as_json else click.echo(_token_line(obj))
+
+
+@tokens.command("rotate")
+@click.option("--json", "as_json", is_flag=True)
+def tokens_rotate(as_json: bool) -> None:
+    """Replace your token with a new secret and revoke the old one (a copy anyone kept stops working).
+
+    Rotating the tenant_admin token your sysadmin gave you claims it: the new one decides staff
+    access requests (while your tenant has no admin token of its own yet). The saved
+    credentials of `finetune login` are updated; a token in SFT_API_TOKEN is not.
+    """
+    url, old = connection()
+    obj = call("POST", "/v1/tokens/rotate").json()
+    path, saved = _credentials_path(), False
+    if not get_settings().api_token:
+        try:
+            if json.loads(path.read_text()).get("token") == old:
+                tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    json.dump({"url": url, "token": obj["token"]}, f)
+                os.replace(tmp, path)
+                saved = True
+        except (OSError, ValueError, AttributeError) as e:
+            click.echo(f"could not update {path} ({e}): keep the new token printed below", err=True)
+    if as_json:
+        _echo_json({**obj, "saved_to": str(path) if saved else None})
+        return
+    _show_new(obj, as_json=False)
+    click.echo(f"  token #{obj['minted_by_token_id']} is revoked; "
+               + (f"saved the new one in {path}" if saved else "put the new one where you keep your token"))

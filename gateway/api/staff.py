@@ -5,6 +5,8 @@
   request and auditing the decision before a byte leaves.
 - /v1/access-requests, /v1/audit: tenants list requests for their resources, their
   admin approves, denies or revokes, and everyone in the tenant reads its audit trail.
+- /v1/tokens: the tenant's tokens and who minted each (every mint and revocation is in its
+  audit trail); its admin mints and revokes them, and any token rotates itself.
 """
 
 from __future__ import annotations
@@ -12,16 +14,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.access import Policy
 from gateway.api.deps import NowDep, PrincipalDep, SessionDep, SettingsDep, access
 from gateway.api.jobs import event_object
-from gateway.models import DataFile
+from gateway.models import DataFile, Role
 from gateway.services import files as files_svc
 from gateway.services import staff as svc
+from gateway.services import tokens as tokens_svc
 
 router = APIRouter(tags=["staff"])
 STAFF, GRANT = [access(Policy.STAFF)], [access(Policy.STAFF_GRANT)]
@@ -34,6 +37,12 @@ class NewRequest(BaseModel):
     resource: Annotated[str, Field(min_length=3, max_length=60)]
     reason: Annotated[str, Field(min_length=1, max_length=1000)]
     duration: Annotated[str, Field(max_length=12)] | Annotated[int, Field(ge=1)] = "2h"
+
+
+class NewToken(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["member", "tenant_admin"] = "member"
+    name: Annotated[str, Field(max_length=100)] = ""
 
 
 # ------------------------------------------------------------------ operators
@@ -60,13 +69,8 @@ def own_requests(session: SessionDep, principal: PrincipalDep, now: NowDep) -> d
     return {"object": "list", "data": [svc.request_object(r, names.get(r.tenant_id), now) for r in rows]}
 
 
-def _stream(path: Any, size: int) -> StreamingResponse:
-    def chunks() -> Iterator[bytes]:
-        with open(path, "rb") as f:
-            while block := f.read(1 << 20):
-                yield block
-
-    return StreamingResponse(chunks(), media_type="application/octet-stream",
+def _stream(chunks: Iterator[bytes], size: int) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="application/octet-stream",
                              headers={"content-length": str(size), "cache-control": "no-store"})
 
 
@@ -77,7 +81,7 @@ def file_content(file_id: str, request: Request, session: SessionDep,
     tenant, row = svc.check_grant(session=session, engine=request.app.state.engine, principal=principal,
                                   kind="file", rid=file_id, action="read.file_content", now=now)
     assert isinstance(row, DataFile)
-    return _stream(files_svc.file_path(settings, tenant, row), row.bytes)
+    return _stream(files_svc.stream_file(settings, tenant, row), row.bytes)
 
 
 @router.get("/v1/staff/jobs/{job_id}/results/{file_id}", dependencies=GRANT)
@@ -87,7 +91,7 @@ def job_result(job_id: str, file_id: str, request: Request, session: SessionDep,
     tenant, job = svc.check_grant(session=session, engine=request.app.state.engine, principal=principal,
                                   kind="job", rid=job_id, action="read.job_result", now=now)
     row = svc.job_result_file(session=session, job=job, file_id=file_id)  # type: ignore[arg-type]
-    return _stream(files_svc.file_path(settings, tenant, row), row.bytes)
+    return _stream(files_svc.stream_file(settings, tenant, row), row.bytes)
 
 
 @router.get("/v1/staff/jobs/{job_id}/events", dependencies=GRANT)
@@ -120,3 +124,36 @@ def tenant_audit(session: SessionDep, principal: PrincipalDep, after: int | None
     """Audit entries about this tenant's resources (requests, decisions, reads), newest first."""
     rows = svc.tenant_audit(session=session, principal=principal, after=after, limit=limit)
     return {"object": "list", "data": [svc.audit_object(e) for e in rows], "has_more": len(rows) == limit}
+
+
+@router.get("/v1/tokens", dependencies=TENANT)
+def tenant_tokens(session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
+    """Every token of this tenant (revoked ones too): role, name, when, who minted and revoked it."""
+    rows = tokens_svc.list_tokens(session=session, principal=principal)
+    return {"object": "list", "data": [tokens_svc.token_object(r) for r in rows]}
+
+
+def _with_secret(secret: str, row: Any) -> dict[str, Any]:
+    return {**tokens_svc.token_object(row), "token": secret}
+
+
+@router.post("/v1/tokens", dependencies=TENANT_ADMIN, status_code=201)
+def mint_token(body: NewToken, session: SessionDep, principal: PrincipalDep, now: NowDep) -> dict[str, Any]:
+    """A new member or tenant_admin token for this tenant; the secret is in this answer only."""
+    secret, row = tokens_svc.mint_tenant_token(session=session, principal=principal, role=Role(body.role),
+                                               name=body.name, now=now)
+    return _with_secret(secret, row)
+
+
+@router.post("/v1/tokens/rotate", dependencies=TENANT, status_code=201)
+def rotate_token(session: SessionDep, principal: PrincipalDep, now: NowDep) -> dict[str, Any]:
+    """Replace the calling token with a new secret and revoke it (claims an operator-minted admin token)."""
+    secret, row = tokens_svc.rotate_token(session=session, principal=principal, now=now)
+    return _with_secret(secret, row)
+
+
+@router.post("/v1/tokens/{token_id}/revoke", dependencies=TENANT_ADMIN)
+def revoke_token(token_id: Annotated[int, Path(ge=1, le=2**31 - 1)], session: SessionDep,
+                 principal: PrincipalDep, now: NowDep) -> dict[str, Any]:
+    row = tokens_svc.revoke_tenant_token(session=session, principal=principal, token_id=token_id, now=now)
+    return tokens_svc.token_object(row)

@@ -1,5 +1,6 @@
 """Staff access page for tenants: requests for their resources, the admin's approve/deny/revoke
-forms (CSRF-checked), and the tenant's audit trail."""
+forms (CSRF-checked; not shown to a tenant_admin token an operator minted, which the service
+refuses anyway), and the tenant's audit trail."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from gateway.models import Role
 from gateway.portal.session import check_csrf
 from gateway.portal.web import PortalRoute, UserDep, portal_access, render
 from gateway.services import staff as svc
+from gateway.services import tokens as tokens_svc
 
 router = APIRouter(prefix="/portal/access", route_class=PortalRoute, include_in_schema=False)
 
@@ -25,7 +27,8 @@ def access_page(request: Request, session: SessionDep, user: UserDep, done: str 
     entries = svc.tenant_audit(session=session, principal=user.principal, after=None, limit=50)
     return render(request, "access.html", user=user, done=done, now=now,
                   requests=[svc.request_object(r, user.principal.tenant_name, now) for r in reqs],
-                  entries=entries, can_decide=user.principal.role is Role.TENANT_ADMIN)
+                  entries=entries, can_decide=user.principal.role is Role.TENANT_ADMIN
+                  and tokens_svc.decide_refusal(session=session, principal=user.principal) is None)
 
 
 @router.post("/{request_id}/{action}", dependencies=[portal_access(Policy.TENANT_ADMIN)])

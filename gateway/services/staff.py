@@ -30,7 +30,7 @@ from gateway.access import (
 )
 from gateway.models import AccessRequest, AuditEntry, DataFile, FineTuningJob, JobEvent, Role, Tenant
 from gateway.services import Conflict, Forbidden, NotFound, ServiceError
-from gateway.services.tokens import Principal
+from gateway.services.tokens import Principal, decide_refusal
 
 Clock = Callable[[Any], datetime]
 
@@ -129,12 +129,23 @@ def decide_request(*, session: Session, principal: Principal, request_id: str, a
                    now: datetime) -> AccessRequest:
     """approve | deny a pending request, or revoke an active grant; audited.
 
-    Raises NotFound (not this tenant's), Conflict (wrong state), Forbidden (not tenant_admin).
+    Raises NotFound (not this tenant's), Conflict (wrong state), Forbidden (not tenant_admin,
+    or a tenant_admin token an operator minted: that refusal is audited).
     """
     tid = _tenant_admin(principal)
+    if action not in ("approve", "deny", "revoke"):
+        raise ServiceError(f"action {action!r}: expected approve, deny or revoke", param="action")
     req = session.get(AccessRequest, request_id) if len(request_id) <= 40 else None
     if req is None or req.tenant_id != tid:
         raise NotFound(f"no such access request: {request_id}", param="request_id")
+    refusal = decide_refusal(session=session, principal=principal)
+    if refusal is not None:
+        # Committed on its own: the refusal stays in the tenant's log although the request fails.
+        audit.append_now(session.get_bind().engine, at=now, actor=actor(principal), action=f"access.{action}",
+                         outcome=audit.DENIED, tenant=principal.tenant_name,
+                         resource=f"{req.resource_kind}:{req.resource_id}", grant_id=req.id,
+                         reason=f"decision refused: {refusal}")
+        raise Forbidden(refusal)
     state = request_state(grant_views([req])[0], now)
     if action in ("approve", "deny"):
         if state != RequestStatus.PENDING:
@@ -143,12 +154,10 @@ def decide_request(*, session: Session, principal: Principal, request_id: str, a
         req.decided_at, req.decided_by_token_id = now, principal.token_id
         if action == "approve":
             req.expires_at = now + timedelta(seconds=req.duration_s)
-    elif action == "revoke":
+    else:
         if state != "active":
             raise Conflict(f"access request {request_id} is {state}: only an active grant can be revoked")
         req.status, req.revoked_at, req.revoked_by_token_id = RequestStatus.REVOKED, now, principal.token_id
-    else:
-        raise ServiceError(f"action {action!r}: expected approve, deny or revoke", param="action")
     session.add(req)
     session.flush()
     note = f"expires {req.expires_at.isoformat()}" if req.expires_at and action == "approve" else ""

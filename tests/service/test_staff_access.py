@@ -4,19 +4,25 @@ admin's approval of exactly that resource, inside its window; every attempt is a
 from __future__ import annotations
 
 import json
+import os
+import pwd
 import re
+import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlmodel import Session, func, select
 
+from gateway.config import get_settings
 from gateway.models import AuditEntry, DataFile, FineTuningJob, JobEvent, Role, Tenant
 from gateway.services.tenants import get_tenant
 from gateway.services.tokens import create_token
-from gateway.storage.layout import tenant_root
+from gateway.storage.layout import result_path, tenant_root
 from tests.service.conftest import TENANT_A, TENANT_B, Gateway, chat_lines
 
 pytestmark = pytest.mark.service
@@ -37,11 +43,17 @@ class World:
     result_bytes: bytes
     tokens: dict[str, str] = field(default_factory=dict)
 
-    def token(self, name: str, role: Role, tenant: str | None = None) -> str:
+    def token(self, name: str, role: Role, tenant: str | None = None, claim: bool = True) -> str:
+        """A token as the admin CLI mints it; a tenant_admin one is then claimed by its holder
+        (rotated: the tenant's own), unless ``claim`` is False (it stays operator-minted)."""
         with Session(self.gw.app.state.engine) as s:
             t = get_tenant(session=s, name=tenant) if tenant else None
             self.tokens[name], _ = create_token(session=s, role=role, tenant=t, name=name)
             s.commit()
+        if role is Role.TENANT_ADMIN and claim:
+            r = self.gw.client.post("/v1/tokens/rotate", headers=self.h(name))
+            assert r.status_code == 201 and r.json()["decides_access"], r.text
+            self.tokens[name] = r.json()["token"]
         return self.tokens[name]
 
     def h(self, who: str) -> dict[str, str]:
@@ -94,10 +106,16 @@ def _add_job(gw: Gateway, tenant: str, train: str, result_bytes: bytes) -> tuple
                             slurm_job_id=4242, finished_at=T0)
         s.add(job)
         s.flush()
-        rel = f"artifacts/{job.id}/eval.json"
-        path = tenant_root(gw.settings.storage_root, tenant) / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
+        rel = result_path(f"art-{secrets.token_hex(12)}", "eval.json")
+        root = tenant_root(gw.settings.storage_root, tenant)
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         path.write_bytes(result_bytes)
+        path.chmod(0o600)
+        if os.geteuid() == 0:       # the broker serves only what the tenant's unix user owns
+            owner = pwd.getpwnam(f"sft-{tenant}")
+            for p in (path.parent.parent, path.parent, path):
+                os.chown(p, owner.pw_uid, owner.pw_gid)
         res = DataFile(tenant_id=t.id, filename=f"{job.id}-eval.json", purpose="fine-tune-results",
                        bytes=len(result_bytes), sha256="0" * 64, status="processed", path=rel, job_id=job.id)
         s.add(res)
@@ -109,8 +127,18 @@ def _add_job(gw: Gateway, tenant: str, train: str, result_bytes: bytes) -> tuple
         return job.id, res.id
 
 
+@pytest.fixture(autouse=True)
+def audit_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Each test's gateway signs its audit head with a key file of its own."""
+    path = tmp_path / "gateway-state" / "audit.key"
+    monkeypatch.setenv("SFT_AUDIT_KEY_FILE", str(path))
+    get_settings.cache_clear()
+    yield path
+    get_settings.cache_clear()
+
+
 @pytest.fixture
-def world(gw: Gateway) -> World:
+def world(gw: Gateway, audit_key: Path) -> World:
     clock = {"now": T0}
     gw.app.state.clock = lambda _db: clock["now"]
     data = chat_lines(12)
@@ -283,7 +311,9 @@ def test_tenants_see_requests_and_reads_on_their_resources_only(world: World) ->
     listed = w.gw.client.get("/v1/access-requests", headers=w.h(TENANT_A)).json()["data"]
     assert [r["id"] for r in listed] == [req] and listed[0]["state"] == "active"
 
-    assert w.gw.client.get("/v1/audit", headers=w.h(TENANT_B)).json()["data"] == []
+    b = w.gw.client.get("/v1/audit", headers=w.h(TENANT_B)).json()["data"]
+    assert {e["action"] for e in b} == {"token.create", "token.revoke"}, "B sees only its own tokens' history"
+    assert all(e["tenant"] == TENANT_B and e["resource"].startswith("token:") for e in b)
     assert w.gw.client.get("/v1/access-requests", headers=w.h(TENANT_B)).json()["data"] == []
     assert w.gw.client.get("/v1/audit", headers=w.h("staff")).status_code == 403
     assert w.gw.client.get("/v1/audit?after=2189832612582892503040", headers=w.h(TENANT_A)).status_code == 400

@@ -48,6 +48,11 @@ def test_every_route_of_the_app_declares_its_policy(app: FastAPI) -> None:
     assert table["GET /v1/files/{file_id}/content"] is Policy.TENANT
     assert table["GET /portal/files/{file_id}/download"] is Policy.TENANT
     assert table["GET /v1/staff/files/{file_id}/content"] is Policy.STAFF_GRANT
+    # tenants list their tokens; their admin mints and revokes; any tenant token rotates itself
+    assert table["GET /v1/tokens"] is Policy.TENANT
+    assert table["POST /v1/tokens"] is Policy.TENANT_ADMIN
+    assert table["POST /v1/tokens/rotate"] is Policy.TENANT
+    assert table["POST /v1/tokens/{token_id}/revoke"] is Policy.TENANT_ADMIN
 
 
 def test_operators_reach_content_only_through_grant_checked_routes(app: FastAPI) -> None:
