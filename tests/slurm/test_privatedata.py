@@ -23,6 +23,8 @@ from tests.slurm.conftest import submit, wait_for
 
 pytestmark = pytest.mark.slurm
 GATEWAY = "sft-gateway"
+# Tenants of their own: the shared t-alpha/t-bravo carry the usage test_fairshare compares.
+TENANT_A, TENANT_B = "t-priv-a", "t-priv-b"
 PRIVATE = {"jobs", "usage", "users", "accounts"}
 
 
@@ -68,11 +70,18 @@ def gateway_operator(admin: Admin) -> str:
     return GATEWAY
 
 
+@pytest.fixture(scope="module")
+def tenants(admin: Admin) -> tuple[str, str]:
+    for t in (TENANT_A, TENANT_B):
+        admin.add_tenant(t, shares=10, qos=["ft-small"])
+    return TENANT_A, TENANT_B
+
+
 @pytest.fixture
 def two_jobs(client: SlurmClient, tenants: tuple[str, str], gateway_operator: str) -> Iterator[tuple[int, int]]:
     a, b = tenants
-    ja, _ = submit(client, a, "sleep 300", qos="ft-small", minutes=10)
-    jb, _ = submit(client, b, "sleep 300", qos="ft-small", minutes=10)
+    ja, _ = submit(client, a, "sleep 300", qos="ft-small", minutes=10, gpus=1)
+    jb, _ = submit(client, b, "sleep 300", qos="ft-small", minutes=10, gpus=1)
     try:
         for j in (ja, jb):
             wait_for(client, j, lambda s: s.state == "RUNNING", 60)
