@@ -76,6 +76,9 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
     app.add_middleware(__import__("gateway.api.limits").api.limits.BodyLimit, max_bytes=settings.max_json_bytes)
     app.state.settings = settings
     app.state.engine = make_engine(settings.database_url)
+    from gateway import audit
+
+    audit.use_key_file(app.state.engine, settings.audit_key_file)   # the anchor of this DB's chain
     if run_migrations:
         migrate(app.state.engine)
     from gateway.api.deps import PrincipalCache

@@ -101,12 +101,11 @@ class Storage:
                 return hit[1]
         try:
             pwd.getpwnam(unix_user_for(tenant))
-            found = True
         except KeyError:
-            found = False
+            return False        # not cached: a tenant onboarded a moment later goes through the broker
         with self._lock:
-            self._users[tenant] = (now, found)
-        return found
+            self._users[tenant] = (now, True)
+        return True
 
     def ensure_broker(self) -> None:
         from gateway.storage.launch import ensure_broker
@@ -231,16 +230,14 @@ class TenantStorage:
     def stream(self, parts: layout.Parts, size: int, chunk: int = 1 << 20) -> Iterator[bytes]:
         """The bytes of a stored file: opened (and checked) now, read as the response streams;
         never more than ``size`` bytes, whatever happens to the file meanwhile."""
-        fd = self.open(parts, size)
+        f = os.fdopen(self.open(parts, size), "rb", buffering=0)   # closed even if never iterated
 
         def chunks() -> Iterator[bytes]:
             left = size
-            try:
-                while left > 0 and (block := os.read(fd, min(chunk, left))):
+            with f:
+                while left > 0 and (block := f.read(min(chunk, left))):
                     left -= len(block)
                     yield block
-            finally:
-                os.close(fd)
 
         return chunks()
 

@@ -271,6 +271,8 @@ def serve(socket_path: Path, allowed_uids: set[int]) -> None:
                 continue
             if os.fork() == 0:
                 srv.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)   # sbatch's exit status must be seen
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 try:
                     serve_one(conn)
                 finally:

@@ -27,11 +27,6 @@ ATTACKER, VICTIM = "hst-mallory", "hst-victim"
 STORAGE = Path("/srv/slurm-finetune")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        item.add_marker(pytest.mark.hostile)
-
-
 def as_tenant(tenant: str, script: str) -> subprocess.CompletedProcess[str]:
     """Run ``script`` (sh) as the tenant's unix user, in its storage root."""
     res = subprocess.run(["runuser", "-u", f"sft-{tenant}", "--", "sh", "-ec", script],

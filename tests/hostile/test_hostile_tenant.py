@@ -26,6 +26,7 @@ from gateway.storage import Storage, TenantRunner, layout
 from tests.hostile.conftest import ATTACKER, STORAGE, VICTIM, Snap, as_tenant, uid_of
 from tests.slurm.livegateway import LiveGateway, chat_file
 
+pytestmark = pytest.mark.hostile
 ROOT_A = STORAGE / "tenants" / ATTACKER
 
 
@@ -308,3 +309,18 @@ def test_tenant_storage_stays_tenant_owned(gw: LiveGateway, tmp_path: Path) -> N
     st = p.stat()
     assert st.st_uid == pwd.getpwnam(f"sft-{ATTACKER}").pw_uid and stat.S_IMODE(st.st_mode) == 0o600
     assert hashlib.sha256(p.read_bytes()).hexdigest() == sha
+
+
+def test_sbatch_errors_come_back_through_the_broker(gw: LiveGateway) -> None:
+    """Submitting as the tenant keeps Slurm's own refusal (exit status and message)."""
+    from gateway.slurm.runner import SlurmCommandError
+
+    jid = new_id("ftjob")
+    store = _store().tenant(ATTACKER)
+    store.write_spec(jid, {"job_id": jid})
+    script = JobScript(job_name=jid, account=VICTIM, qos="ft-small", job_dir=str(ROOT_A / "jobs" / jid),
+                       command=("/bin/true",), mem_mb=256, time_limit_min=5)
+    with pytest.raises(SlurmCommandError, match="Invalid account") as e:
+        SlurmClient(LocalRunner()).submit(script, runner=TenantRunner(store))   # another tenant's account
+    assert e.value.returncode != 0
+    as_tenant(ATTACKER, f"rm -rf jobs/{jid}")

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,9 +32,12 @@ def tmpfs(tmp_path: Path) -> Iterator[Any]:
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     mounts: list[Path] = []
+    # under /var/tmp, not pytest's tmp (root's 0700 dir): tenants' uids must traverse to their storage
+    base = Path(tempfile.mkdtemp(prefix="sft-tmpfs-", dir="/var/tmp"))
+    os.chmod(base, 0o755)
 
     def mount(name: str, size: str) -> Path:
-        where = tmp_path / name
+        where = base / name
         where.mkdir()
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(where)], check=True)
         mounts.append(where)
@@ -41,6 +46,7 @@ def tmpfs(tmp_path: Path) -> Iterator[Any]:
     yield mount
     for m in mounts:
         subprocess.run(["umount", "-l", str(m)], check=False)
+    shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.mark.service

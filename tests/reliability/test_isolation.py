@@ -19,10 +19,10 @@ from sqlmodel import Session
 from starlette.routing import Mount, Route
 
 from gateway.config import Settings
-from gateway.models import DataFile, FineTuningJob, JobCheckpoint, JobEvent, utcnow
+from gateway.models import DataFile, FineTuningJob, JobCheckpoint, JobEvent, new_id, utcnow
 from gateway.storage.layout import tenant_root
 from tests.reliability.conftest import Served
-from tests.service.conftest import TENANT_A, TENANT_B, Gateway, chat_lines
+from tests.service.conftest import TENANT_A, TENANT_B, Gateway, chat_lines, tenant_storage_root
 
 pytestmark = pytest.mark.service
 CANARY = "CANARY-iso-7f3b"
@@ -38,8 +38,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
     tmp = tmp_path_factory.mktemp("iso")
     os.chmod(tmp, 0o755)
-    (tmp / "storage").mkdir()
-    settings = Settings(storage_root=tmp / "storage", database_url=f"sqlite:///{tmp / 'gw.db'}",
+    storage = next(roots := tenant_storage_root())
+    settings = Settings(storage_root=storage, database_url=f"sqlite:///{tmp / 'gw.db'}",
                         default_model=None, max_upload_bytes=8 << 20)
     gw = Gateway(settings)
     r = gw.upload(TENANT_A, chat_lines(12) + f'{{"messages": [{{"role": "user", "content": "{CANARY}"}}, '
@@ -51,6 +51,17 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     yield {"gw": gw, "served": served, "file": fid, **ids}
     served.close()
     gw.app.state.engine.dispose()
+    next(roots, None)       # removes the storage root
+
+
+def _as_tenant_files(top: Path, tenant: str) -> None:
+    """Published results belong to the tenant's unix user (the broker makes them as it)."""
+    import os
+    import pwd
+
+    pw = pwd.getpwnam(f"sft-{tenant}")
+    for p in [top, *top.rglob("*")]:
+        os.lchown(p, pw.pw_uid, pw.pw_gid)
 
 
 def _seed_job(gw: Gateway, settings: Settings, fid: str) -> dict[str, str]:
@@ -63,12 +74,14 @@ def _seed_job(gw: Gateway, settings: Settings, fid: str) -> dict[str, str]:
         s.add(job)
         s.flush()
         job.fine_tuned_model = f"ft:tiny-chat:{TENANT_A}:iso:{job.id}"
-        art = tenant_root(settings.storage_root, TENANT_A) / "artifacts" / "art-iso"
+        aid = new_id("art")
+        art = tenant_root(settings.storage_root, TENANT_A) / "artifacts" / aid
         art.mkdir(parents=True)
         (art / "eval.json").write_text(f'{{"note": "{CANARY}"}}')
+        _as_tenant_files(art.parent, TENANT_A)
         result = DataFile(tenant_id=train.tenant_id, filename=f"{job.id}-eval.json", purpose="fine-tune-results",
                           bytes=(art / "eval.json").stat().st_size, sha256="0" * 64, status="processed",
-                          path="artifacts/art-iso/eval.json", job_id=job.id)
+                          path=f"artifacts/{aid}/eval.json", job_id=job.id)
         s.add(result)
         s.flush()
         job.result_files = [result.id]
@@ -158,6 +171,8 @@ def test_every_route_with_another_tenants_token_shows_nothing(world: dict[str, A
             kw["json"] = {"model": "tiny-chat", "training_file": world["file"]}
         elif path in ("/v1/files", "/portal/datasets") and method == "POST":
             continue          # B uploading its own file: covered by the dedup test below
+        elif path in ("/v1/tokens", "/v1/tokens/rotate") and method == "POST":
+            continue          # B minting or rotating its own tokens: tests/service/test_staff_tokens.py
         if path.startswith("/portal"):
             data = {"csrf": csrf, "training_file": world["file"], "model": "tiny-chat"} if method == "POST" else None
             r = portal.request(method, url, data=data, follow_redirects=False)

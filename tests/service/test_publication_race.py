@@ -57,6 +57,19 @@ def real_staging(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return tmp / "job" / "attempts" / "0" / "staging", entry.digest
 
 
+def _give_to_tenant(storage_root: Path, tenant: str, job_dir: Path) -> None:
+    """The trainer writes a job's files as the tenant's unix user (when the host has one)."""
+    import os
+    import pwd
+
+    try:
+        pw = pwd.getpwnam(f"sft-{tenant}")
+    except KeyError:
+        return
+    for p in [job_dir.parent, job_dir, *job_dir.rglob("*")]:
+        os.lchown(p, pw.pw_uid, pw.pw_gid)
+
+
 def test_cancel_racing_publication(gw: Gateway, real_staging: tuple[Path, str]) -> None:
     staging, digest = real_staging
     engine = gw.app.state.engine
@@ -75,6 +88,7 @@ def test_cancel_racing_publication(gw: Gateway, real_staging: tuple[Path, str]) 
             jd = tenant_root(gw.settings.storage_root, "svc-a") / "jobs" / job.id / "attempts" / "0"
             jd.mkdir(parents=True)
             shutil.copytree(staging, jd / "staging")
+            _give_to_tenant(gw.settings.storage_root, "svc-a", jd.parents[1])   # as the trainer leaves it
         # result files point at files.id; keep FK happy with a placeholder dataset row
         s.add(DataFile(id="x", tenant_id=tenant.id, filename="x", bytes=0, sha256="0" * 64, status="processed"))
         s.commit()
@@ -91,8 +105,9 @@ def test_cancel_racing_publication(gw: Gateway, real_staging: tuple[Path, str]) 
             barrier.wait()
             try:
                 reconciler._publish(s, job, t)
-                with lock:
-                    outcomes["published"] += 1
+                if job.status == JobState.SUCCEEDED.value:   # a refused publication is no outcome
+                    with lock:
+                        outcomes["published"] += 1
             except Exception:
                 s.rollback()
 

@@ -68,11 +68,15 @@ class LiveGateway:
         self.db_dir = service_owned_dir(Settings(), f"test-{workdir.name}-{self.port}")
         self.db_url = db_url or f"sqlite:///{self.db_dir / 'gw.db'}"
         self.env = {**os.environ, "SFT_DATABASE_URL": self.db_url, "SFT_RECONCILE_INTERVAL_S": "0.5",
+                    "SFT_AUDIT_KEY_FILE": str(self.db_dir / "audit.key"),   # one anchor per test database
                     "SFT_CANCEL_DEADLINE_S": "10", "SFT_CREDENTIALS_FILE": str(workdir / "cred.json"),
                     **env}
         admin = Admin(LocalRunner(), storage_root=STORAGE)
         engine = make_engine(self.db_url)
         migrate(engine)
+        from gateway import audit
+
+        audit.use_key_file(engine, self.db_dir / "audit.key")
         self.tokens: dict[str, str] = {}
         with Session(engine) as s:
             for t in tenants:
