@@ -288,7 +288,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--socket", type=Path, required=True)
     p.add_argument("--allow-user", action="append", default=[], help="service user allowed to connect")
     a = p.parse_args(argv)
-    uids = {0} | {pwd.getpwnam(u).pw_uid for u in a.allow_user}
+    try:
+        uids = {0} | {pwd.getpwnam(u).pw_uid for u in a.allow_user}
+    except KeyError as e:
+        sys.exit(f"storage broker: no such user {e} (scripts/bootstrap.sh creates the service user)")
     serve(a.socket, uids)
 
 
