@@ -144,6 +144,17 @@ def tenant_modify(name: str, shares: int | None, qos: str | None, gpu_limit: str
                f"gpu limit {'none' if gpus is None else gpus}")
 
 
+@admin.command("operator")
+@click.argument("user", required=False)
+@friendly_errors
+def admin_operator(user: str | None) -> None:
+    """Make USER (default: the gateway's service user) a Slurm Operator: under PrivateData it must
+    see and cancel every tenant's jobs. Idempotent."""
+    name = user or get_settings().service_user
+    changed = _admin().ensure_operator(name)
+    click.echo(f"{name}: Slurm AdminLevel=Operator ({'set' if changed else 'already set'})")
+
+
 @tenant.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @friendly_errors

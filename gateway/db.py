@@ -7,6 +7,7 @@ The schema is created and upgraded only by Alembic migrations
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -55,6 +56,12 @@ def _private_db_file(path: Path) -> None:
         st = os.fstat(fd)
         if st.st_uid == os.geteuid() and st.st_mode & 0o077:
             os.fchmod(fd, 0o600)
+        parent = os.stat(path.parent)
+        if os.geteuid() == 0 and st.st_uid == 0 and parent.st_uid != 0 and st.st_nlink == 1 \
+                and stat.S_ISREG(st.st_mode):
+            # root (the admin CLI, the demo) working on the gateway's database in the service user's
+            # state dir: the file stays the service user's (SQLite gives WAL/SHM the same owner)
+            os.fchown(fd, parent.st_uid, parent.st_gid)
     finally:
         os.close(fd)
     for suffix in ("-wal", "-shm"):

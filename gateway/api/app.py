@@ -73,7 +73,9 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
     from gateway.api.errors import COMMON_ERRORS, strip_422
 
     app = FastAPI(title="slurm-finetune gateway", version="0.1.0", lifespan=lifespan, responses=COMMON_ERRORS)
-    app.add_middleware(__import__("gateway.api.limits").api.limits.BodyLimit, max_bytes=settings.max_json_bytes)
+    from gateway.api.limits import BodyLimit
+
+    app.add_middleware(BodyLimit, max_bytes=settings.max_json_bytes)   # 413 for oversized bodies
     app.state.settings = settings
     app.state.engine = make_engine(settings.database_url)
     from gateway import audit
