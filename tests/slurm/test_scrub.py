@@ -174,7 +174,9 @@ def probe_script(tenant_user: str, canary_sh: str) -> str:
 c={canary_sh}
 hits=$(grep -rIl -s -F -- "$c" /tmp /dev/shm /var/tmp /var/lib/slurm-finetune /srv/slurm-finetune \
        "$SFT_SCRATCH" 2>/dev/null | wc -l)
-echo "GPUS=$SLURM_JOB_GPUS HITS=$hits PROCS=$(ps -u {tenant_user} -o pid= | wc -l) DONE"
+# zombies hold no memory and no files: an orphan of the killed job waits there for this
+# container's PID 1 to reap it (seen: "[sleep] <defunct>", PPID 1), which is not a leftover
+echo "GPUS=$SLURM_JOB_GPUS HITS=$hits PROCS=$(ps -u {tenant_user} -o stat= | grep -vc '^Z') DONE"
 """
 
 
