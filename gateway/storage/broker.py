@@ -127,13 +127,22 @@ def drop_to(pw: pwd.struct_passwd) -> None:
     os.umask(0o077)
 
 
-def _not_dumpable() -> None:
+def _libc() -> object | None:
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)   # PR_SET_DUMPABLE, 0
-    except (OSError, AttributeError):
-        pass
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _libc()          # loaded once, before any fork
+
+
+def _not_dumpable() -> None:
+    prctl = getattr(_LIBC, "prctl", None)
+    if prctl is not None:
+        prctl(4, 0, 0, 0, 0)   # PR_SET_DUMPABLE, 0
 
 
 def open_tenant_root(storage_root: Path, tenant: str, *, create: bool = False) -> int:
@@ -260,6 +269,9 @@ def serve(socket_path: Path, allowed_uids: set[int]) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)    # children are reaped by the kernel
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(f"storage broker: listening on {socket_path} for uids {sorted(allowed_uids)}", flush=True)
+    import gc
+
+    gc.freeze()          # children share these pages instead of copying them on first GC
     while True:
         try:
             conn, _ = srv.accept()
@@ -273,6 +285,7 @@ def serve(socket_path: Path, allowed_uids: set[int]) -> None:
                 srv.close()
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)   # sbatch's exit status must be seen
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                gc.disable()         # a child lives for one request
                 try:
                     serve_one(conn)
                 finally:
