@@ -61,4 +61,6 @@ fi
 "$VENV/bin/pip" install -q --no-deps --force-reinstall . 2>&1 | grep -v "^WARNING: Location" || true
 rm -rf build ./*.egg-info
 chmod -R a+rX "$PREFIX"
+# `finetune` on PATH for root and for tenant users (the README's commands work as printed)
+ln -sfn "$VENV/bin/finetune" /usr/local/bin/finetune
 echo "bootstrap: runtime ready: $VENV ($("$VENV/bin/python" --version))"
