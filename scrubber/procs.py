@@ -17,6 +17,13 @@ while one of its ``slurmstepd`` processes exists. Processes a job started and
 that left its process group (setsid, double fork) are still processes of the
 user: they are found by uid from /proc, whatever their cgroup.
 
+The control plane's storage broker (a root daemon, ``gateway.storage.broker``) does each
+tenant-storage request in a short-lived child that has become the tenant's uid (and that
+may run ``sbatch`` as the tenant): on a host that is both gateway and compute node those
+are the tenant's processes with no job. A process whose parent chain reaches a root
+broker process is such a helper, not a leftover; a tenant cannot put its own process
+under a root parent (an orphan is re-parented to PID 1, never to the broker).
+
 Signals go through a pidfd opened for the process the scan saw, after checking
 (uid, start time, cgroup) that the pid still is that process: a pid recycled
 meanwhile is never signalled.
@@ -44,6 +51,7 @@ _V2_NODE = re.compile(rf"^{_V2_SCOPE}(?:/system)?/?$")
 _SLURMISH = re.compile(r"^(?:slurm(?:_.*)?|.*slurmstepd.*|job_.*|uid_\d+|step_.*)$")
 _DAEMON_UNIT = re.compile(r"^slurm\w*(?:@[^/]*)?\.service$")  # slurmd.service & co: no job
 _STEPD = re.compile(r"^slurmstepd: \[(?P<job>\d+)\.")
+BROKER_MARK = b"gateway.storage.broker"   # in the root broker daemon's command line
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,7 @@ class Proc:
     cgroup: str  # the text of /proc/<pid>/cgroup
     stepd_job: int | None = None  # set for "slurmstepd: [<job>.<step>]" processes
     start: int = 0  # start time (clock ticks after boot, /proc/<pid>/stat field 22)
+    broker: bool = False  # a root process running the gateway's storage broker
 
     @property
     def where(self) -> Where:
@@ -198,23 +207,47 @@ def owner(p: Proc, *, node: str, job_id: int, live: dict[int, Where]) -> Owner:
     return Owner.NO_JOB
 
 
+def broker_helpers(procs: Iterable[Proc]) -> set[int]:
+    """Pids whose parent chain reaches a root storage-broker process (pure; see the module doc)."""
+    by_pid = {p.pid: p for p in procs}
+    roots = {p.pid for p in by_pid.values() if p.broker and p.uid == 0}
+    out: set[int] = set()
+    for p in by_pid.values():
+        seen, cur = set(), by_pid.get(p.ppid)
+        while cur is not None and cur.pid not in seen:
+            if cur.pid in roots:
+                out.add(p.pid)
+                break
+            seen.add(cur.pid)
+            cur = by_pid.get(cur.ppid)
+    return out
+
+
 def kill_targets(procs: Iterable[Proc], *, uid: int, node: str, job_id: int,
                  live: dict[int, Where]) -> list[Proc]:
     """Epilog: every process of ``uid`` that no other live job owns (zombies are already dead).
-    A process whose cgroup layout is unknown is not a target (see ``undecided``)."""
-    return [p for p in procs if p.uid == uid and p.state != "Z"
+    A process whose cgroup layout is unknown is not a target (see ``undecided``); nor is the
+    storage broker's work for the tenant."""
+    procs = list(procs)
+    helpers = broker_helpers(procs)
+    return [p for p in procs if p.uid == uid and p.state != "Z" and p.pid not in helpers
             and owner(p, node=node, job_id=job_id, live=live) not in (Owner.OTHER_LIVE_JOB, Owner.UNKNOWN)]
 
 
 def undecided(procs: Iterable[Proc], uids: set[int]) -> list[Proc]:
     """Processes of ``uids`` whose job cannot be told (unknown cgroup layout): the check fails."""
-    return [p for p in procs if p.uid in uids and p.state != "Z" and p.where.unknown]
+    procs = list(procs)
+    helpers = broker_helpers(procs)
+    return [p for p in procs if p.uid in uids and p.state != "Z" and p.where.unknown and p.pid not in helpers]
 
 
 def leftovers(procs: Iterable[Proc], *, tenant_uids: set[int], node: str, job_id: int,
               live: dict[int, Where]) -> list[Proc]:
-    """Prolog: tenant processes on this node that belong to no live job."""
-    return [p for p in procs if p.uid in tenant_uids and p.state != "Z"
+    """Prolog: tenant processes on this node that belong to no live job (the storage broker's
+    short-lived children working for the tenant are not leftovers)."""
+    procs = list(procs)
+    helpers = broker_helpers(procs)
+    return [p for p in procs if p.uid in tenant_uids and p.state != "Z" and p.pid not in helpers
             and owner(p, node=node, job_id=job_id, live=live) in (Owner.STALE_JOB, Owner.NO_JOB)]
 
 
@@ -226,7 +259,8 @@ def same_process(seen: Proc, now: Proc | None) -> bool:
 
 # ------------------------------------------------------------------------- I/O
 def read_proc(proc_root: Path, pid: int) -> Proc | None:
-    """One process, or None when it vanished meanwhile. Reads no command line except slurmstepd's."""
+    """One process, or None when it vanished meanwhile. Reads no command line but those of root's
+    slurmstepd and python processes (job ids; the storage broker's mark)."""
     base = proc_root / str(pid)
     try:
         stat_text = (base / "stat").read_text()
@@ -235,10 +269,12 @@ def read_proc(proc_root: Path, pid: int) -> Proc | None:
         uid = parse_uid((base / "status").read_text())
         comm = (base / "comm").read_text().strip()
         cgroup = (base / "cgroup").read_text()
-        job = stepd_job((base / "cmdline").read_bytes()) if comm == "slurmstepd" and uid == 0 else None
+        cmdline = (base / "cmdline").read_bytes() if uid == 0 and (comm == "slurmstepd"
+                                                                   or comm.startswith("python")) else b""
+        job = stepd_job(cmdline) if comm == "slurmstepd" else None
     except (OSError, ValueError, IndexError):
         return None
-    return Proc(pid, ppid, uid, state, comm, cgroup, job, start)
+    return Proc(pid, ppid, uid, state, comm, cgroup, job, start, broker=BROKER_MARK in cmdline)
 
 
 def list_procs(proc_root: Path = Path("/proc")) -> list[Proc]:

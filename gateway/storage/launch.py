@@ -32,7 +32,9 @@ def ensure_broker(socket_path: Path, service_user: str | None, wait_s: float = 1
     if os.geteuid() != 0:
         raise RuntimeError(f"the storage broker is not running ({socket_path}); start it as root: "
                            "finetune broker")
-    argv = [sys.executable, "-m", "gateway.storage.broker", "--socket", str(socket_path)]
+    # (-c, not -m: the package imports the module, and runpy would warn about running it twice;
+    # the scrubber recognises the daemon by "gateway.storage.broker" in its command line)
+    argv = [sys.executable, "-c", "from gateway.storage.broker import main; main()", "--socket", str(socket_path)]
     if service_user:
         try:
             pwd.getpwnam(service_user)

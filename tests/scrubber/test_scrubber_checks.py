@@ -391,3 +391,24 @@ def test_config_layers_and_fault_injection_scope(tmp_path: Path) -> None:
     assert not cfg.fails_on_purpose("scratch", "vm-n1", "anyone")
     assert not cfg.fails_on_purpose("tmp_files", "vm-n2", "anyone")
     assert load_config(tmp_path / "absent.toml") == ScrubConfig()
+
+
+def test_the_storage_brokers_children_are_not_leftovers() -> None:
+    """On a host that is gateway and compute node at once, the broker's per-request children run as
+    the tenant (and may run sbatch as it): found by their root broker ancestor, never by name."""
+    from scrubber import procs as P
+
+    v1 = "4:freezer:/\n"
+    tenant = 5001
+    ps = [P.Proc(1, 0, 0, "S", "init", v1),
+          P.Proc(10, 1, 0, "S", "python", v1, broker=True),          # the root broker daemon
+          P.Proc(11, 10, tenant, "S", "python", v1),                  # its child, now the tenant
+          P.Proc(12, 11, tenant, "S", "sbatch", v1),                  # sbatch run by that child
+          P.Proc(20, 1, tenant, "S", "python", v1),                   # a real leftover (orphan)
+          P.Proc(30, 1, tenant, "S", "python", v1, broker=True),      # a tenant naming itself "broker"
+          P.Proc(31, 30, tenant, "S", "sleep", v1)]                   # ... and its child
+    assert P.broker_helpers(ps) == {11, 12}
+    found = P.leftovers(ps, tenant_uids={tenant}, node="n1", job_id=7, live={})
+    assert sorted(p.pid for p in found) == [20, 30, 31]
+    targets = P.kill_targets(ps, uid=tenant, node="n1", job_id=7, live={})
+    assert sorted(p.pid for p in targets) == [20, 30, 31]
