@@ -30,16 +30,13 @@ class PrivilegeError(SystemExit):
 
 def _own_dir(path: Path, uid: int, gid: int) -> None:
     """``path`` as a 0700 directory of ``uid`` (created if missing; never through a link)."""
+    from gateway.storage.safefs import UnsafeStorage, own_dir
+
     path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise PrivilegeError(f"{path} is not a directory: refusing to use it as the gateway's state dir")
-    os.lchown(path, uid, gid)
-    os.chmod(path, 0o700)
+        own_dir(path, uid, gid, 0o700)
+    except UnsafeStorage:
+        raise PrivilegeError(f"{path} is not a directory: refusing to use it as the gateway's state dir") from None
 
 
 def become_service_user(settings: Any, *, start_broker: bool = True) -> None:

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from gateway.services import Conflict, NotFound, ServiceError, StorageFull
-from gateway.storage import layout
-from gateway.storage.broker import BrokerError, recv_msg, run_verb, send_msg
+from gateway.storage import layout, safefs
+from gateway.storage.broker import BrokerError, recv_msg, reply_error, run_verb, send_msg
 from gateway.storage.verbs import Reply
 
 __all__ = ["Storage", "StorageUnavailable", "TenantRunner", "TenantStorage", "Upload", "create_tenant_root",
@@ -121,12 +121,8 @@ class Storage:
         if not self.has_unix_user(tenant):
             try:
                 return run_verb(self.root, tenant, None, verb, args, fds)
-            except BaseException as e:   # noqa: BLE001 - the same errors as through the broker
-                from gateway.storage.broker import _reply_error
-
-                if isinstance(e, KeyboardInterrupt | SystemExit):
-                    raise
-                err = _reply_error(e)
+            except Exception as e:   # noqa: BLE001 - mapped exactly as the broker maps them
+                err = reply_error(e)
                 raise _error(err["code"], err["message"]) from None
         return self._via_broker(tenant, verb, args, fds)
 
@@ -164,27 +160,15 @@ class Storage:
 
 
 def create_tenant_root(storage_root: Path, tenant: str, uid: int, gid: int) -> Path:
-    """Onboarding (root): ``<root>/tenants`` 0711 (traversable, not listable) and the tenant root
-    0700 owned by the tenant's unix user. Never through a link: ``tenants/`` is root's."""
+    """Onboarding (root): ``<root>/tenants`` 0711 root's (traversable, not listable) and the tenant
+    root 0700 owned by the tenant's unix user; never through a link (``safefs.own_dir``)."""
     root = layout.tenant_root(storage_root, tenant)
     storage_root.mkdir(mode=0o755, parents=True, exist_ok=True)
     os.chmod(storage_root, 0o755)
-    tenants = root.parent
-    try:
-        os.mkdir(tenants, 0o711)
-    except FileExistsError:
-        pass
-    st = os.lstat(tenants)
-    if not (os.path.isdir(tenants) and not os.path.islink(tenants)) or st.st_uid != 0:
-        raise RuntimeError(f"{tenants} must be a root-owned directory")
-    os.chmod(tenants, 0o711)
-    try:
-        os.mkdir(root, 0o700)
-    except FileExistsError:
-        if os.path.islink(root) or not os.path.isdir(root):
-            raise RuntimeError(f"{root} is not a directory") from None
-    os.lchown(root, uid, gid)
-    os.chmod(root, 0o700)
+    if root.parent.exists() and os.lstat(root.parent).st_uid != 0:
+        raise RuntimeError(f"{root.parent} must be a root-owned directory")
+    safefs.own_dir(root.parent, 0, 0, 0o711)
+    safefs.own_dir(root, uid, gid, 0o700)
     return root
 
 

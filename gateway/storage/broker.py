@@ -201,7 +201,7 @@ def _submit(storage_root: Path, tenant: str, args: dict[str, Any]) -> Reply:
     return Reply({"returncode": res.returncode, "stdout": res.stdout[-65536:], "stderr": res.stderr[-65536:]})
 
 
-def _reply_error(e: BaseException) -> dict[str, Any]:
+def reply_error(e: BaseException) -> dict[str, Any]:
     if isinstance(e, VerbError | BrokerError):
         return {"ok": False, "code": e.code, "message": e.message}
     if isinstance(e, layout.LayoutError):
@@ -229,7 +229,7 @@ def serve_one(conn: socket.socket) -> None:
         send_msg(conn, {"ok": True, "result": reply.result}, reply.fds, reply.blobs)
     except BaseException as e:    # noqa: BLE001 - every failure becomes a reply, never a trace
         try:
-            send_msg(conn, _reply_error(e))
+            send_msg(conn, reply_error(e))
         except OSError:
             pass
     finally:

@@ -146,6 +146,27 @@ def write_atomic(dir_fd: int, name: str, data: bytes, *, mode: int = 0o600) -> N
     os.fsync(dir_fd)
 
 
+def own_dir(path: str | os.PathLike[str], uid: int, gid: int, mode: int) -> None:
+    """Root's way to make ``path`` a directory of ``uid`` with ``mode``: created if missing, then
+    opened ``O_NOFOLLOW|O_DIRECTORY`` and changed through that fd, so a link swapped in by
+    whoever owns the parent is refused instead of followed (``chmod``/``chown`` by path would)."""
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(path, DIR_FLAGS)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise _refuse(str(path), "a link or not a directory") from None
+        raise
+    try:
+        os.fchown(fd, uid, gid)
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
 def remove(dir_fd: int, name: str) -> bool:
     """Remove ``name`` (a file, a link, or a whole tree: fd-based, never following links)."""
     try:
