@@ -52,7 +52,7 @@ def main() -> None:
         sys.exit("run as root (it onboards a bench tenant)")
     pw = onboard()
     root = layout.tenant_root(STORAGE, TENANT)
-    store = Storage(STORAGE, Settings().broker_socket_path, "sft-gateway").tenant(TENANT)
+    store = Storage(STORAGE, Settings().broker_socket, "sft-gateway").tenant(TENANT)
     sha = "ab" * 32
     data = b'{"messages": []}\n' * 64
     (root / "datasets").mkdir(exist_ok=True)

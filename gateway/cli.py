@@ -451,7 +451,7 @@ def broker(socket_path: Path | None) -> None:
     from gateway.storage.broker import main as broker_main
 
     settings = get_settings()
-    broker_main(["--socket", str(socket_path or settings.broker_socket_path),
+    broker_main(["--socket", str(socket_path or settings.broker_socket),
                  "--allow-user", settings.service_user])
 
 

@@ -79,10 +79,6 @@ class Settings(BaseSettings):
     def models_root(self) -> Path:
         return self.catalog_root or self.storage_root / "models"
 
-    @property
-    def broker_socket_path(self) -> Path:
-        return self.broker_socket
-
 
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:

@@ -84,10 +84,6 @@ class Storage:
         self._users: dict[str, tuple[float, bool]] = {}
         self._lock = threading.Lock()
 
-    @classmethod
-    def from_settings(cls, settings: Any) -> Storage:
-        return cls(settings.storage_root, settings.broker_socket_path, settings.service_user)
-
     def tenant(self, name: str) -> TenantStorage:
         return TenantStorage(self, layout.tenant_name(name))
 
@@ -177,7 +173,7 @@ _shared: dict[tuple[Path, Path, str | None], Storage] = {}
 
 def storage_for(settings: Any) -> Storage:
     """The process's Storage for these settings (one per storage root and broker socket)."""
-    key = (settings.storage_root, settings.broker_socket_path, settings.service_user)
+    key = (settings.storage_root, settings.broker_socket, settings.service_user)
     if key not in _shared:
         _shared[key] = Storage(*key)
     return _shared[key]

@@ -31,7 +31,7 @@ ROOT_A = STORAGE / "tenants" / ATTACKER
 
 
 def _store(tenant: str = ATTACKER) -> Storage:
-    return Storage(STORAGE, Settings().broker_socket_path, "sft-gateway")
+    return Storage(STORAGE, Settings().broker_socket, "sft-gateway")
 
 
 def _upload(gw: LiveGateway, tmp: Path, seed: int = 1) -> httpx.Response:
@@ -261,7 +261,7 @@ def test_tampered_spec_is_never_submitted(gw: LiveGateway) -> None:
 
 
 def test_broker_refuses_everyone_but_root_and_the_service_user(gw: LiveGateway) -> None:
-    sock = Settings().broker_socket_path
+    sock = Settings().broker_socket
     st = sock.stat()
     assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == uid_of("sft-gateway")
     code = ("import socket,sys; s=socket.socket(socket.AF_UNIX); "
