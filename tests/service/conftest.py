@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -158,6 +159,33 @@ def gw(settings: Settings) -> Iterator[Gateway]:
     g = Gateway(settings)
     yield g
     g.app.state.engine.dispose()
+
+
+def cli_over(gw: Gateway, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``run(token, *args) -> (exit code, output)``: the real `finetune` CLI, its HTTP calls served
+    by ``gw``'s in-process app."""
+    import httpx
+    from click.testing import CliRunner
+
+    from gateway.cli import main
+    from gateway.config import get_settings
+
+    def request(method: str, url: str, **kw: Any) -> httpx.Response:
+        kw.pop("timeout", None)
+        return gw.client.request(method, url, **kw)
+
+    monkeypatch.setattr(httpx, "request", request)
+
+    def run(token: str, *args: str) -> tuple[int, str]:
+        get_settings.cache_clear()
+        try:
+            res = CliRunner().invoke(main, list(args), env={"SFT_API_URL": "http://testserver",
+                                                            "SFT_API_TOKEN": token})
+        finally:
+            get_settings.cache_clear()
+        return res.exit_code, res.output
+
+    return run
 
 
 def chat_lines(n: int, start: int = 0) -> bytes:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import httpx
 import pytest
 from click.testing import CliRunner
 
 from gateway.cli import main
 from gateway.config import get_settings
 from gateway.models import Role
-from tests.service.conftest import TENANT_A, TENANT_B, Gateway
+from tests.service.conftest import TENANT_A, TENANT_B, Gateway, cli_over
 from tests.service.test_staff_access import World, audit_key, world  # noqa: F401 - the fixtures
 
 pytestmark = pytest.mark.service
@@ -20,22 +19,7 @@ pytestmark = pytest.mark.service
 
 @pytest.fixture
 def finetune(gw: Gateway, monkeypatch: pytest.MonkeyPatch) -> Any:
-    def request(method: str, url: str, **kw: Any) -> httpx.Response:
-        kw.pop("timeout", None)
-        return gw.client.request(method, url, **kw)
-
-    monkeypatch.setattr(httpx, "request", request)
-
-    def run(token: str, *args: str) -> tuple[int, str]:
-        get_settings.cache_clear()
-        try:
-            res = CliRunner().invoke(main, list(args), env={"SFT_API_URL": "http://testserver",
-                                                            "SFT_API_TOKEN": token})
-        finally:
-            get_settings.cache_clear()
-        return res.exit_code, res.output
-
-    return run
+    return cli_over(gw, monkeypatch)
 
 
 def test_request_approve_read_audit_revoke(world: World, finetune: Any) -> None:  # noqa: F811

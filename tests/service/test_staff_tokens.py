@@ -9,7 +9,6 @@ import os
 import re
 from typing import Any
 
-import httpx
 import pytest
 from click.testing import CliRunner
 
@@ -17,7 +16,7 @@ from gateway.api.deps import PrincipalCache
 from gateway.cli import main
 from gateway.config import get_settings
 from gateway.models import Role
-from tests.service.conftest import TENANT_A, TENANT_B, chat_lines
+from tests.service.conftest import TENANT_A, TENANT_B, chat_lines, cli_over
 from tests.service.test_staff_access import World, audit_key, portal, world  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.service
@@ -42,22 +41,7 @@ def w(world: World) -> World:  # noqa: F811 - the imported fixture
 
 @pytest.fixture
 def finetune(w: World, monkeypatch: pytest.MonkeyPatch) -> Any:
-    def request(method: str, url: str, **kw: Any) -> httpx.Response:
-        kw.pop("timeout", None)
-        return w.gw.client.request(method, url, **kw)
-
-    monkeypatch.setattr(httpx, "request", request)
-
-    def run(token: str, *args: str) -> tuple[int, str]:
-        get_settings.cache_clear()
-        try:
-            res = CliRunner().invoke(main, list(args), env={"SFT_API_URL": "http://testserver",
-                                                            "SFT_API_TOKEN": token})
-        finally:
-            get_settings.cache_clear()
-        return res.exit_code, res.output
-
-    return run
+    return cli_over(w.gw, monkeypatch)
 
 
 def audit_of(w: World, who: str) -> list[dict[str, Any]]:
