@@ -43,34 +43,31 @@ def make_engine(url: str) -> Engine:
 
 
 def _private_db_file(path: Path) -> None:
-    """All tenants' metadata and the audit log live here: the file is created 0600 (its WAL and
-    SHM files inherit that mode) in a 0700 directory when this process makes them, and a file of
-    ours that others can read is tightened."""
+    """All tenants' metadata and the audit log live here: the database file is created 0600 in a
+    0700 directory; a file of ours (database, WAL, SHM) that others can read is tightened; and
+    root (the admin CLI, the demo, the tests) working on a database in the service user's state
+    dir leaves its files to that dir's owner (SQLite, as root, gives WAL/SHM files it creates the
+    database file's owner). Everything goes through ``O_NOFOLLOW`` fds: the state dir's owner
+    cannot point root at another file with a link."""
     if not path.parent.exists():
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError:
-        return          # SQLite reports it with the path when it opens it
-    try:
-        st = os.fstat(fd)
-        if st.st_uid == os.geteuid() and st.st_mode & 0o077:
-            os.fchmod(fd, 0o600)
-        parent = os.stat(path.parent)
-        if os.geteuid() == 0 and st.st_uid == 0 and parent.st_uid != 0 and st.st_nlink == 1 \
-                and stat.S_ISREG(st.st_mode):
-            # root (the admin CLI, the demo) working on the gateway's database in the service user's
-            # state dir: the file stays the service user's (SQLite gives WAL/SHM the same owner)
-            os.fchown(fd, parent.st_uid, parent.st_gid)
-    finally:
-        os.close(fd)
-    for suffix in ("-wal", "-shm"):
-        side = path.with_name(path.name + suffix)
+    parent = os.stat(path.parent)
+    for p, create in ((path, True), (path.with_name(path.name + "-wal"), False),
+                      (path.with_name(path.name + "-shm"), False)):
         try:
-            if side.stat().st_uid == os.geteuid() and side.stat().st_mode & 0o077:
-                os.chmod(side, 0o600)
+            fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o600)
         except OSError:
-            pass
+            continue        # missing side files; for the database SQLite reports it with the path
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+                os.fchmod(fd, 0o600)
+            if os.geteuid() == 0 and st.st_uid == 0 and parent.st_uid != 0 and st.st_nlink == 1:
+                os.fchown(fd, parent.st_uid, parent.st_gid)
+        finally:
+            os.close(fd)
 
 
 def migrate(engine: Engine) -> None:

@@ -51,9 +51,8 @@ class _Gateway:
     control plane never runs as root); the demo itself stays a client."""
 
     def __init__(self, settings: Settings):
-        from gateway.privsep import become_service_user, give_database_to_service_user
+        from gateway.privsep import become_service_user
 
-        give_database_to_service_user(settings)
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.pid = os.fork()

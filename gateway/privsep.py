@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import pwd
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -74,26 +73,6 @@ def _check_database(url: str) -> None:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise PrivilegeError(f"the service user cannot write the database directory {parent}: "
                              "put the SQLite file in the state dir (SFT_STATE_DIR) or a dir it owns")
-
-
-def give_database_to_service_user(settings: Any) -> None:
-    """After root prepared a SQLite database (migrations, a first token: the demo, the tests), hand
-    the file and its WAL/SHM to the service user (0600). Links are never followed."""
-    if os.geteuid() != 0 or not settings.database_url.startswith("sqlite:///"):
-        return
-    pw = pwd.getpwnam(settings.service_user)
-    path = Path(settings.database_url.split("///", 1)[-1])
-    for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
-        try:
-            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            continue
-        try:
-            if stat.S_ISREG(os.fstat(fd).st_mode):
-                os.fchown(fd, pw.pw_uid, pw.pw_gid)
-                os.fchmod(fd, 0o600)
-        finally:
-            os.close(fd)
 
 
 def service_owned_dir(settings: Any, name: str) -> Path:

@@ -324,3 +324,20 @@ def test_sbatch_errors_come_back_through_the_broker(gw: LiveGateway) -> None:
         SlurmClient(LocalRunner()).submit(script, runner=TenantRunner(store))   # another tenant's account
     assert e.value.returncode != 0
     as_tenant(ATTACKER, f"rm -rf jobs/{jid}")
+
+
+def test_root_never_follows_a_link_planted_beside_the_database(gw: LiveGateway, victim_root_dir: Path) -> None:
+    """The state dir belongs to the service user: a link it plants as the WAL file must not make root
+    (the admin CLI opening the database) chmod or chown the link's target."""
+    from gateway.db import make_engine
+    from gateway.privsep import service_owned_dir
+
+    d = service_owned_dir(Settings(), f"test-planted-{os.getpid()}")
+    target = victim_root_dir / "root-secret.txt"
+    before = Snap.of(victim_root_dir)
+    subprocess.run(["runuser", "-u", "sft-gateway", "--", "ln", "-s", str(target), str(d / "gw.db-wal")],
+                   check=True)
+    make_engine(f"sqlite:///{d / 'gw.db'}").dispose()
+    assert Snap.of(victim_root_dir) == before
+    st = (d / "gw.db").stat()
+    assert st.st_uid == uid_of("sft-gateway") and stat.S_IMODE(st.st_mode) == 0o600

@@ -54,9 +54,6 @@ class Live:
         engine.dispose()
         self.tokens = {t: self.cli("admin", "token", "create", "--tenant", t, "--json").json()["token"]
                        for t in (TENANT_A, TENANT_B)}
-        from gateway.privsep import give_database_to_service_user
-
-        give_database_to_service_user(Settings(database_url=self.env["SFT_DATABASE_URL"]))
         self.proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(self.port),
                                       "--log-level", "warning"], cwd="/", env=self.env)
         wait_port(self.port)

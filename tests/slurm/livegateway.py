@@ -83,9 +83,6 @@ class LiveGateway:
                 admin.add_tenant(t, shares=5, qos=["ft-small", "ft-standard"])
                 self.tokens[t], _ = create_token(session=s, role=Role.MEMBER, tenant=ensure_tenant(session=s, name=t))
             s.commit()
-        from gateway.privsep import give_database_to_service_user
-
-        give_database_to_service_user(Settings(database_url=self.db_url))
         self.engine = engine
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
