@@ -89,6 +89,11 @@ def main() -> None:
 
     for fn in (peer_open, ours_open, peer_events, ours_events):   # warm-up, excluded
         fn()
+    # same work, same result: the bytes each side reads are identical
+    with os.fdopen(store.open(layout.dataset(sha), len(data)), "rb") as f:
+        assert f.read() == ds.read_bytes()
+    assert store.read_events({j: 0 for j in jobs}) == {j: (root / "jobs" / j / "events.jsonl").read_bytes()
+                                                       for j in jobs}
     res: dict[str, list[float]] = {k: [] for k in ("peer_open", "ours_open", "peer_events", "ours_events")}
     for _ in range(a.repeats):        # alternating
         res["peer_open"].append(timed(peer_open, a.calls))
