@@ -129,7 +129,11 @@ def load_key(path: Path, *, create: bool = False) -> bytes:
         try:
             key = read_key(path)
         except KeyUnavailable:
-            if not create or path.exists():
+            try:
+                present = path.exists()
+            except OSError as e:      # e.g. a parent dir this user cannot search
+                raise KeyUnavailable(f"cannot reach the audit key file {path}: {e.strerror or e}") from e
+            if not create or present:
                 raise
             key, created = _create_key(path)
             if created:

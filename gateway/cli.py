@@ -176,14 +176,9 @@ def token() -> None:
 
 
 def _token_db():  # type: ignore[no-untyped-def]
-    from gateway import audit
-    from gateway.db import make_engine, migrate
+    from gateway.db import open_database
 
-    settings = get_settings()
-    engine = make_engine(settings.database_url)
-    migrate(engine)
-    audit.use_key_file(engine, settings.audit_key_file)
-    return engine
+    return open_database(get_settings())
 
 
 @token.command("create")
@@ -377,21 +372,50 @@ def admin_nodes(as_json: bool, last: int, report_dir: Path | None) -> None:
             click.echo(f"  {r.started.isoformat(timespec='seconds')}  {r.summary()}")
 
 
+def local_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--local`` / ``--data-dir``: the same command in local mode (gateway/local.py)."""
+    fn = click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+                      help="Local mode's data (default ~/.local/share/slurm-finetune); implies --local.")(fn)
+    return click.option("--local", is_flag=True,
+                        help="Local mode: no root, no Slurm; jobs run as you, NO tenant isolation "
+                             "(also SFT_BACKEND=local).")(fn)
+
+
+def _settings(local: bool, data_dir: Path | None):  # type: ignore[no-untyped-def]
+    """Settings from the environment, in local mode when asked; local mode announces itself."""
+    from gateway.config import Settings
+
+    over: dict[str, Any] = {"backend": "local"} if local or data_dir else {}
+    if data_dir:
+        over["data_dir"] = data_dir
+    settings = Settings(**over) if over else get_settings()
+    if settings.local:
+        from gateway.local import banner, prepare
+
+        prepare(settings)
+        click.secho(banner(settings), fg="yellow", bold=True, err=True)
+    return settings
+
+
 @main.command("serve")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(1, 64),
               help="API processes; with more than one, this process runs the single reconciler.")
 @click.option("--log-level", default="info", show_default=True)
+@local_options
 @friendly_errors
-def serve(host: str, port: int, workers: int, log_level: str) -> None:
+def serve(host: str, port: int, workers: int, log_level: str, local: bool, data_dir: Path | None) -> None:
     """Serve the HTTP API and portal (settings from SFT_* environment variables)."""
     import uvicorn
 
     from gateway.api.app import create_app
     from gateway.privsep import become_service_user
 
-    settings = get_settings()
+    settings = _settings(local, data_dir)
+    if settings.local:
+        _local_first_start(settings, f"http://{host}:{port}")
+        workers = 1                    # the app and its reconciler in this one process
     become_service_user(settings)      # root: state dir + storage broker, then drop for good
     if workers == 1:
         uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
@@ -405,21 +429,34 @@ def serve(host: str, port: int, workers: int, log_level: str) -> None:
                 log_level=log_level)
 
 
-def _reconciler(settings):  # type: ignore[no-untyped-def]
-    from gateway.api.app import slurm_available
-    from gateway.db import make_engine, migrate
-    from gateway.reconciler import Reconciler
-    from gateway.slurm import SlurmClient
-    from gateway.submission import Submitter
+def _local_first_start(settings: Any, url: str) -> None:
+    """Local mode's first start: tenant ``local`` and its token, saved where `finetune login` saves."""
+    from gateway.local import onboard
+    from gateway.usercli import save_credentials
 
-    runner = make_runner(settings)
-    if not slurm_available(runner):
+    token = onboard(settings, "local")
+    if token is not None:
+        path = save_credentials(url, token)
+        click.echo(f"tenant 'local' created; its token is saved in {path}: `finetune files upload FILE` "
+                   f"and the other commands use it", err=True)
+    from trainer import catalog
+
+    if not catalog.list_models(settings.models_root):
+        click.echo(f"no base model yet: `finetune models make-tiny /tmp/tiny --register tiny-chat --root "
+                   f"{settings.models_root}` (seconds) or `finetune models import-smollm2 --root "
+                   f"{settings.models_root}`", err=True)
+
+
+def _reconciler(settings):  # type: ignore[no-untyped-def]
+    from gateway.db import open_database
+    from gateway.reconciler import Reconciler
+    from gateway.submission import Submitter, scheduler_for
+
+    client = scheduler_for(settings)
+    if client is None:
         click.echo("Slurm does not answer: no reconciler", err=True)
         return None
-    engine = make_engine(settings.database_url)
-    migrate(engine)
-    client = SlurmClient(runner, timeout=settings.slurm_timeout_s)
-    return Reconciler(engine, settings, client, Submitter(settings, client))
+    return Reconciler(open_database(settings), settings, client, Submitter(settings, client))
 
 
 @main.command("reconcile")
@@ -456,12 +493,17 @@ def broker(socket_path: Path | None) -> None:
 
 
 @main.command("demo")
+@click.option("--tiny", is_flag=True, help="The tiny random model instead of SmolLM2-135M-Instruct: a quick "
+              "check of the plumbing (seconds of training), nothing a person can read.")
+@local_options
 @friendly_errors
-def demo() -> None:
-    """End-to-end walk-through on the dev cluster (root): tenant, model, data, QLoRA job."""
+def demo(tiny: bool, local: bool, data_dir: Path | None) -> None:
+    """End-to-end walk-through: tenant, base model, dataset, QLoRA job, before/after.
+
+    On the dev cluster (root), or with --local as an ordinary user without Slurm."""
     from gateway.demo import run_demo
 
-    sys.exit(run_demo(get_settings(), echo=click.echo))
+    sys.exit(run_demo(_settings(local, data_dir), echo=click.echo, tiny=tiny))
 
 
 def _mount_user_commands() -> None:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
+from pydantic import model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 STATE_DIR = Path("/var/lib/slurm-finetune/gateway")      # 0700, owned by the service user
@@ -16,6 +20,10 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="SFT_", extra="forbid")
 
+    # Where jobs run: "slurm" (the cluster), or "local": no root, no Slurm, jobs run as the
+    # invoking user (submitit's LocalExecutor), state under data_dir; no tenant isolation.
+    backend: Literal["slurm", "local"] = "slurm"
+    data_dir: Path | None = None              # local mode; default ~/.local/share/slurm-finetune
     storage_root: Path = Path("/srv/slurm-finetune")
     # Privilege separation: the API and reconciler run as this user (started as root they drop
     # to it); tenant storage is reached only through the storage broker, as the tenant's uid.
@@ -71,13 +79,42 @@ class Settings(BaseSettings):
     api_token: str | None = None
     credentials_file: Path = Path("~/.config/slurm-finetune/credentials.json")
 
+    @model_validator(mode="after")
+    def _local_paths(self) -> Settings:
+        """Local mode keeps everything under ``data_dir`` unless a path was set explicitly."""
+        if self.backend != "local":
+            return self
+        data = (self.data_dir or default_data_dir()).expanduser().absolute()
+        self.data_dir = data
+        defaults = {"storage_root": data / "storage", "state_dir": data / "state",
+                    "database_url": f"sqlite:///{data / 'state' / 'gateway.db'}",
+                    "audit_key_file": data / "state" / "audit.key", "catalog_root": data / "models",
+                    "scrub_report_dir": data / "scrub"}
+        for name, value in defaults.items():
+            if name not in self.model_fields_set:
+                setattr(self, name, value)
+        return self
+
+    @property
+    def local(self) -> bool:
+        return self.backend == "local"
+
     @property
     def runtime_python(self) -> Path:
+        """The interpreter jobs run: the runtime venv's; in local mode this process's own."""
+        if self.local:
+            return Path(sys.executable)
         return self.runtime_prefix / "venv" / "bin" / "python"
 
     @property
     def models_root(self) -> Path:
         return self.catalog_root or self.storage_root / "models"
+
+
+def default_data_dir() -> Path:
+    """Local mode's home: ``$XDG_DATA_HOME/slurm-finetune`` (``~/.local/share/slurm-finetune``)."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "slurm-finetune"
 
 
 @lru_cache(maxsize=1)

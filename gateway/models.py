@@ -142,7 +142,7 @@ class FineTuningJob(SQLModel, table=True):
     finished_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     cancel_requested_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     stop_confirmed_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
-    cleanup: str | None = Field(default=None, max_length=16)       # pending | confirmed | failed
+    cleanup: str | None = Field(default=None, max_length=16)       # pending | confirmed | failed | off (local mode)
     error: dict[str, Any] | None = Field(default=None, sa_type=sa.JSON)
     fine_tuned_model: str | None = Field(default=None, max_length=255, index=True)
     result_files: list[str] | None = Field(default=None, sa_type=sa.JSON)

@@ -391,6 +391,15 @@ class Reconciler:
         from gateway.scrub import ScrubReportError, read_report, report_path
 
         pending = list(s.exec(select(FineTuningJob).where(FineTuningJob.cleanup == "pending")))
+        if self.settings.local:       # no nodes, no scrubber: nothing will ever confirm a cleanup
+            for job in pending:
+                try:
+                    update_fields(s, job, cleanup="off")
+                    add_event(s, job.id, "No node cleanup in local mode (no scrubber runs)", level="warn")
+                    s.commit()
+                except StaleJob:
+                    s.rollback()
+            return
         for job in pending:
             node = (job.progress or {}).get("node")
             if not node or job.slurm_job_id is None:

@@ -18,6 +18,20 @@ from gateway.storage import TenantRunner, storage_for
 Submit = Callable[[FineTuningJob, dict[str, Any], str], tuple[int, str]]
 
 
+def scheduler_for(settings: Settings) -> Any:
+    """The scheduler jobs go to: the local one (local mode), the Slurm client when Slurm
+    answers, else None (files work, jobs cannot be submitted)."""
+    if settings.local:
+        from gateway.local import LocalScheduler
+
+        return LocalScheduler(settings)
+    from gateway.api.app import slurm_available
+    from gateway.slurm import make_runner
+
+    runner = make_runner(settings)
+    return SlurmClient(runner, timeout=settings.slurm_timeout_s) if slurm_available(runner) else None
+
+
 class Submitter:
     """``submit(job, spec, tenant) -> (slurm job id, qos)``; raises SlurmError with Slurm's text."""
 
@@ -27,6 +41,10 @@ class Submitter:
         self._lock = threading.Lock()
 
     def allowed_qos(self, tenant: str) -> tuple[str, ...]:
+        if self.settings.local:
+            from gateway.local import QOS
+
+            return (QOS,)
         with self._lock:
             hit = self._qos.get(tenant)
             if hit and time.monotonic() - hit[0] < self.qos_ttl_s:
@@ -50,6 +68,8 @@ class Submitter:
             time_limit_min=job.time_limit_min or 60, grace_s=self.settings.signal_grace_s,
             partition=self.settings.slurm_partition,
             env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+        if self.settings.local:      # no tenant users: the local scheduler runs it as this user
+            return self.client.submit(script), qos
         if self.settings.ssh_host:   # off-cluster: the login node's root account submits with --uid
             return self.client.submit(script, user=user), qos
         return self.client.submit(script, runner=TenantRunner(store)), qos

@@ -67,12 +67,19 @@ def call(method: str, path: str, *, headers: dict[str, str] | None = None, **kwa
 @click.option("--token", prompt=True, hide_input=True, help="Your API token.")
 def login(url: str, token: str) -> None:
     """Save the gateway URL and your token (file mode 0600)."""
+    click.echo(f"saved credentials for {url} in {save_credentials(url, token)}")
+
+
+def save_credentials(url: str, token: str) -> Path:
+    """Write what `finetune login` saves (0600, replaced atomically); return the file's path."""
     path = _credentials_path()
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump({"url": url, "token": token}, f)
-    click.echo(f"saved credentials for {url} in {path}")
+    os.replace(tmp, path)
+    return path
 
 
 @click.group("files")

@@ -73,6 +73,9 @@ def run_cmd(spec_path: Path) -> None:
 @click.group()
 def models() -> None:
     """Manage the read-only base-model catalog."""
+    from trainer.quiet import quiet_libraries
+
+    quiet_libraries()      # a person's terminal: no known-harmless library noise
 
 
 def _fail(e: TrainerError) -> None:

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway.access import Policy, undeclared_routes
 from gateway.api.deps import access
 from gateway.config import Settings
-from gateway.db import make_engine, migrate
+from gateway.db import open_database
 from gateway.services import ServiceError
 
 log = logging.getLogger("gateway.api")
@@ -39,8 +39,9 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
                slurm: Any = None) -> FastAPI:
     """The app, bound to one database (migrated to head unless told not to).
 
-    With Slurm reachable (or ``slurm`` given: a SlurmClient), jobs are submitted through
-    it and, when ``reconcile`` is set, a reconciler thread runs while the app serves.
+    With a scheduler (``slurm`` given, else ``scheduler_for``: Slurm when it answers, or the
+    local one in local mode), jobs are submitted through it and, when ``reconcile`` is set, a
+    reconciler thread runs while the app serves.
     """
     from contextlib import asynccontextmanager
 
@@ -50,12 +51,10 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
     from gateway.portal import STATIC_DIR, STATIC_URL
     from gateway.portal import router as portal_router
     from gateway.reconciler import Reconciler
-    from gateway.slurm import SlurmClient, make_runner
-    from gateway.submission import Submitter
+    from gateway.submission import Submitter, scheduler_for
 
     if slurm is None:
-        runner = make_runner(settings)
-        slurm = SlurmClient(runner, timeout=settings.slurm_timeout_s) if slurm_available(runner) else None
+        slurm = scheduler_for(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
@@ -77,12 +76,7 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
 
     app.add_middleware(BodyLimit, max_bytes=settings.max_json_bytes)   # 413 for oversized bodies
     app.state.settings = settings
-    app.state.engine = make_engine(settings.database_url)
-    from gateway import audit
-
-    audit.use_key_file(app.state.engine, settings.audit_key_file)   # the anchor of this DB's chain
-    if run_migrations:
-        migrate(app.state.engine)
+    app.state.engine = open_database(settings, run_migrations=run_migrations)
     from gateway.api.deps import PrincipalCache
 
     app.state.principals = PrincipalCache(settings.token_cache_s) if settings.token_cache_s > 0 else None

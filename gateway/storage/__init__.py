@@ -77,8 +77,10 @@ class Upload:
 class Storage:
     """Per-process entry point; thread-safe."""
 
-    def __init__(self, storage_root: Path, socket_path: Path, service_user: str | None = None):
+    def __init__(self, storage_root: Path, socket_path: Path, service_user: str | None = None,
+                 direct: bool = False):
         self.root = storage_root
+        self.direct = direct            # local mode: every tenant in-process, as this process's user
         self.socket_path = socket_path
         self.service_user = service_user
         self._users: dict[str, tuple[float, bool]] = {}
@@ -114,7 +116,7 @@ class Storage:
     def call(self, tenant: str, verb: str, args: dict[str, Any] | None = None,
              fds: list[int] | None = None) -> Reply:
         args, fds = args or {}, fds or []
-        if not self.has_unix_user(tenant):
+        if self.direct or not self.has_unix_user(tenant):
             try:
                 return run_verb(self.root, tenant, None, verb, args, fds)
             except Exception as e:   # noqa: BLE001 - mapped exactly as the broker maps them
@@ -168,12 +170,12 @@ def create_tenant_root(storage_root: Path, tenant: str, uid: int, gid: int) -> P
     return root
 
 
-_shared: dict[tuple[Path, Path, str | None], Storage] = {}
+_shared: dict[tuple[Path, Path, str | None, bool], Storage] = {}
 
 
 def storage_for(settings: Any) -> Storage:
     """The process's Storage for these settings (one per storage root and broker socket)."""
-    key = (settings.storage_root, settings.broker_socket, settings.service_user)
+    key = (settings.storage_root, settings.broker_socket, settings.service_user, settings.backend == "local")
     if key not in _shared:
         _shared[key] = Storage(*key)
     return _shared[key]
