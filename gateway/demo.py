@@ -26,6 +26,7 @@ import httpx
 
 from gateway.config import Settings
 from gateway.services.jobs import job_dir
+from gateway.storage import layout
 
 TENANT = "demo"
 SERVE_URL = "http://127.0.0.1:8000"      # where the closing hint's `finetune serve` listens
@@ -171,7 +172,7 @@ def _onboard(settings: Settings, echo: Callable[[str], None]) -> str:
         echo(f"[1/7] local mode: no Slurm, no root; jobs run as this user under {settings.data_dir}")
         token = _mint_token(settings)
         echo(f"[2/7] tenant {TENANT}: a database row and an API token (storage "
-             f"{job_dir(settings, TENANT, '')[:-len('/jobs/')]} is made on first use; no unix user, no isolation)")
+             f"{layout.tenant_root(settings.storage_root, TENANT)} is made on first use; no unix user, no isolation)")
         return token
     from gateway.slurm import LocalRunner
     from gateway.slurm.admin import Admin

@@ -13,7 +13,7 @@ DATA = Path(__file__).parent / "data"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    tiers = {"unit", "train", "slurm", "ssh", "gpu", "service", "browser", "hostile"}
+    tiers = {"unit", "train", "slurm", "ssh", "gpu", "service", "browser", "hostile", "local"}
     for item in items:
         if not any(m.name in tiers for m in item.iter_markers()):
             item.add_marker(pytest.mark.unit)
@@ -24,7 +24,7 @@ def data_dir() -> Path:
     return DATA
 
 
-TIERS = ("unit", "train", "slurm", "ssh", "service", "browser", "hostile", "gpu")
+TIERS = ("unit", "train", "slurm", "ssh", "service", "browser", "hostile", "local", "gpu")
 
 
 def _tier(report: pytest.TestReport) -> str:

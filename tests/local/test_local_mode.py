@@ -1,0 +1,190 @@
+"""Local mode, as its user meets it: an ordinary unix user whose PATH holds the runtime venv and
+nothing else (no sbatch, no squeue: a Slurm call would fail), `finetune serve --local`, and the
+tenant CLI: upload -> job -> follow -> cancel one job -> another succeeds -> download ->
+PeftModel.from_pretrained loads the adapter. As root the test runs everything as the unix user
+``ftlocal`` (created here); as any other user, as that user."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from trainer.toydata import toy_conversations, write_jsonl
+
+pytestmark = pytest.mark.local
+
+VENV_BIN = Path(sys.executable).parent
+USER = "ftlocal"
+
+
+class LocalUser:
+    """Runs commands as the local-mode user, in a clean environment: HOME, PATH=venv only."""
+
+    def __init__(self, home: Path):
+        self.home = home
+        self.env = {"HOME": str(home), "PATH": str(VENV_BIN), "OMP_NUM_THREADS": "1", "LANG": "C.UTF-8"}
+        self.prefix = ["runuser", "-u", USER, "--"] if os.geteuid() == 0 else []
+
+    def argv(self, *args: str) -> list[str]:
+        return [*self.prefix, "/usr/bin/env", "-i", *(f"{k}={v}" for k, v in self.env.items()), *args]
+
+    def run(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(self.argv(*args), cwd=self.home, capture_output=True, text=True, timeout=timeout)
+
+    def ok(self, *args: str, timeout: float = 300) -> str:
+        r = self.run(*args, timeout=timeout)
+        assert r.returncode == 0, f"{args}: rc {r.returncode}\n{r.stdout}\n{r.stderr}"
+        return r.stdout
+
+    def json(self, *args: str) -> dict:  # type: ignore[type-arg]
+        return json.loads(self.ok(*args, "--json"))
+
+
+@pytest.fixture(scope="module")
+def user(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalUser]:
+    if os.geteuid() == 0:
+        try:
+            pwd.getpwnam(USER)
+        except KeyError:
+            subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", USER],
+                           check=True)
+        home = Path(f"/var/tmp/sft-local-test-{os.getpid()}")   # pytest's tmp is under root's 0700 home
+        home.mkdir(mode=0o700)
+        shutil.chown(home, USER, USER)
+    else:
+        home = tmp_path_factory.mktemp("local-home")
+    yield LocalUser(home)
+    subprocess.run(["pkill", "-u", USER if os.geteuid() == 0 else str(os.getuid()), "-f", str(home)], check=False)
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def gateway(user: LocalUser) -> Iterator[tuple[str, Path]]:
+    data = user.home / "data"
+    user.ok("finetune", "models", "make-tiny", str(user.home / "tiny"), "--register", "tiny-chat",
+            "--root", str(data / "models"))
+    port = _free_port()
+    log = open(user.home / "serve.log", "w")   # noqa: SIM115 - lives as long as the server
+    proc = subprocess.Popen(user.argv("finetune", "serve", "--local", "--data-dir", str(data), "--port", str(port)),
+                            cwd=user.home, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail("the local gateway did not start:\n" + (user.home / "serve.log").read_text())
+    yield url, data
+    proc.terminate()
+    proc.wait(20)
+    log.close()
+
+
+def _trainer_pids(job_id: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"trainer" in cmd and job_id.encode() in cmd:
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_no_slurm_on_the_users_path(user: LocalUser) -> None:
+    for binary in ("sbatch", "squeue", "sacct", "scancel", "scontrol"):
+        assert shutil.which(binary, path=user.env["PATH"]) is None
+    assert user.ok("finetune", "--version").startswith("finetune")
+
+
+def test_serve_local_says_what_is_off_and_saves_the_tenants_token(user: LocalUser,
+                                                                   gateway: tuple[str, Path]) -> None:
+    log = (user.home / "serve.log").read_text()
+    assert "LOCAL MODE" in log and "isolation" in log and "OFF" in log
+    saved = json.loads((user.home / ".config/slurm-finetune/credentials.json").read_text())
+    assert saved["url"] == gateway[0] and saved["token"].startswith("sft_")
+    assert oct((user.home / ".config/slurm-finetune/credentials.json").stat().st_mode & 0o777) == "0o600"
+
+
+def test_upload_job_cancel_another_succeeds_download_and_load(user: LocalUser, gateway: tuple[str, Path]) -> None:
+    url, data = gateway
+    train = write_jsonl(user.home / "train.jsonl", toy_conversations(200, seed=3))
+    os.chmod(train, 0o644)
+    fid = user.json("finetune", "files", "upload", str(train))["id"]
+
+    # a long job, cancelled while it trains
+    long = user.json("finetune", "jobs", "create", "--training-file", fid, "--model", "tiny-chat",
+                     "--epochs", "60")
+    assert long["qos"] == "local" and long["slurm_job_id"] == 1
+    deadline = time.monotonic() + 180
+    while (user.json("finetune", "jobs", "show", long["id"]).get("progress") or {}).get("step", 0) < 1:
+        assert time.monotonic() < deadline, "the long job never reached step 1"
+        time.sleep(1)
+    assert _trainer_pids(long["id"]), "no trainer process while the job trains"
+    cancelled = user.json("finetune", "jobs", "cancel", long["id"], "--wait")
+    assert cancelled["status"] == "cancelled" and cancelled["stop_confirmed"]
+    assert _trainer_pids(long["id"]) == []
+    events = " ".join(e["message"] for e in httpx.get(
+        f"{url}/v1/fine_tuning/jobs/{long['id']}/events?limit=100",
+        headers={"Authorization": "Bearer " + json.loads(
+            (user.home / ".config/slurm-finetune/credentials.json").read_text())["token"]}).json()["data"])
+    assert "Trainer stopped by SIGTERM" in events
+
+    # another job runs to the end; follow prints its progress and exits 0
+    short = user.json("finetune", "jobs", "create", "--training-file", fid, "--model", "tiny-chat",
+                      "--epochs", "2", "--learning-rate-multiplier", "25", "--batch-size-tokens", "1024",
+                      "--max-seq-len", "256")
+    followed = user.ok("finetune", "jobs", "follow", short["id"], timeout=600)
+    assert "succeeded" in followed and "Step " in followed
+    shown = user.json("finetune", "jobs", "show", short["id"])
+    assert shown["status"] == "succeeded" and shown["cleanup"] == "off"
+    log = data / "storage/tenants/local/jobs" / short["id"] / f"local-{short['slurm_job_id']}.out"
+    assert log.stat().st_size > 0                     # the trainer's own output: the job's log file
+
+    user.ok("finetune", "artifacts", "download", short["id"], "--extract")
+    adapter = user.home / short["id"] / "adapter"
+    base = json.loads(user.ok("finetune", "models", "list", "--root", str(data / "models"), "--json"))[0]["path"]
+    loaded = user.ok("python", "-c", (
+        "import sys, torch; from peft import PeftModel; from transformers import AutoModelForCausalLM\n"
+        f"m = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base!r}), {str(adapter)!r})\n"
+        "b = [p for n, p in m.named_parameters() if 'lora_B' in n]\n"
+        "print(len(b), max(float(p.abs().max()) for p in b))"))
+    n, biggest = loaded.split()
+    assert int(n) > 0 and float(biggest) > 0        # LoRA B starts at zero: these were trained
+
+
+def test_demo_local_tiny_runs_end_to_end(user: LocalUser) -> None:
+    r = user.run("finetune", "demo", "--local", "--tiny", "--data-dir", str(user.home / "demo-data"), timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "LOCAL MODE" in r.stderr
+    assert "succeeded" in r.stdout and "node cleanup: off" in r.stdout
+    assert "finetune serve --local --data-dir" in r.stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="checks the refusal to run as root")
+def test_local_mode_refuses_root(tmp_path: Path) -> None:
+    r = subprocess.run([str(VENV_BIN / "finetune"), "serve", "--local", "--data-dir", str(tmp_path / "d")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "refusing to run it as root" in r.stderr
+    assert not (tmp_path / "d").exists()
