@@ -14,9 +14,12 @@ DATA = Path(__file__).parent / "data"
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tiers = {"unit", "train", "slurm", "ssh", "gpu", "service", "browser", "hostile", "local"}
+    slow_selected = "slow" in (config.getoption("markexpr") or "")
     for item in items:
         if not any(m.name in tiers for m in item.iter_markers()):
             item.add_marker(pytest.mark.unit)
+        if "slow" in item.keywords and not slow_selected:   # scripts/test.sh selects them
+            item.add_marker(pytest.mark.skip(reason="slow test: select it with `-m slow`"))
 
 
 @pytest.fixture

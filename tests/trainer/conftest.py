@@ -8,19 +8,6 @@ import pytest
 from trainer_testlib import CANARY, Reference, Tiny, ToyData, make_spec, run_trainer, write_spec
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "slow: minutes-long; runs only when selected with -m slow")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if "slow" in (config.getoption("markexpr") or ""):
-        return
-    skip = pytest.mark.skip(reason="slow test: select it with `-m slow`")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
-
-
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
     """The tiny Llama, built once per session and registered in a temp catalog."""
