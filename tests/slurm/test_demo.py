@@ -48,6 +48,9 @@ def test_finetune_is_on_path_for_root_and_for_a_tenant_user(demo: Demo) -> None:
         r = login_shell("command -v finetune && finetune --version", user=user)
         assert r.returncode == 0, f"as {user or 'root'}: {r.stdout}{r.stderr}"
         assert r.stdout.splitlines()[0] == "/usr/local/bin/finetune" and "version" in r.stdout
+    # README examples a sysadmin types next, as printed
+    r = login_shell("finetune dev-cluster status && finetune admin tenant list && finetune models list")
+    assert r.returncode == 0 and "demo" in r.stdout and "smollm2-135m-instruct" in r.stdout, r.stdout + r.stderr
 
 
 def test_demo_teaches_smollm2_a_format_the_base_model_does_not_follow(demo: Demo) -> None:
