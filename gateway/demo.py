@@ -42,6 +42,7 @@ class DemoTask:
     prompts: list[str]
     follows: Callable[[str], bool] | None      # did a reply follow the taught behaviour?
     max_new_tokens: int
+    validation: list[dict[str, Any]] | None = None
 
 
 def _task(tiny: bool) -> DemoTask:
@@ -54,9 +55,10 @@ def _task(tiny: bool) -> DemoTask:
                         ["reverse: alpha mirror pencil"], None, 12)
     from trainer import demodata
 
-    return DemoTask(demodata.MODEL, demodata.demo_conversations(demodata.EXAMPLES, seed=1),
+    return DemoTask(demodata.MODEL, demodata.demo_conversations(demodata.EXAMPLES, seed=demodata.TRAIN_SEED),
                     dict(demodata.HYPERPARAMETERS), list(demodata.DEMO_PROMPTS), demodata.follows_format,
-                    demodata.MAX_NEW_TOKENS)
+                    demodata.MAX_NEW_TOKENS,
+                    demodata.demo_conversations(demodata.VALIDATION_EXAMPLES, seed=demodata.VALIDATION_SEED))
 
 
 def _free_port() -> int:
@@ -207,19 +209,25 @@ def run_demo(settings: Settings, echo: Callable[[str], None] = print, *, tiny: b
          f"database {settings.database_url}); base model {task.model} pinned at {digest[:19]}...")
     client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=120)
     out.mkdir(exist_ok=True)
-    data = out / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in task.rows))
-    with open(data, "rb") as f:
-        fobj = client.post("/v1/files", data={"purpose": "fine-tune", "model": task.model},
-                           files={"file": (data.name, f)}).json()
-    if "error" in fobj:
-        echo(f"upload failed: {fobj['error']['message']}")
-        return 1
-    stats = fobj["validation"]["stats"]
-    echo(f"[4/7] uploaded {data.name}: {fobj['status']}, {stats['examples']} examples, "
-         f"{stats['tokens']['total']} tokens (p95 {stats['tokens']['p95']}) -> {fobj['id']}")
+    uploaded = {}
+    for name, rows in (("train.jsonl", task.rows), ("validation.jsonl", task.validation)):
+        if rows is None:
+            continue
+        data = out / name
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        with open(data, "rb") as f:
+            fobj = client.post("/v1/files", data={"purpose": "fine-tune", "model": task.model},
+                               files={"file": (data.name, f)}).json()
+        if "error" in fobj:
+            echo(f"upload of {name} failed: {fobj['error']['message']}")
+            return 1
+        stats = fobj["validation"]["stats"]
+        echo(f"[4/7] uploaded {name}: {fobj['status']}, {stats['examples']} examples, "
+             f"{stats['tokens']['total']} tokens (p95 {stats['tokens']['p95']}) -> {fobj['id']}")
+        uploaded[name] = fobj["id"]
     job = client.post("/v1/fine_tuning/jobs", json={
-        "model": task.model, "training_file": fobj["id"], "suffix": "demo",
+        "model": task.model, "training_file": uploaded["train.jsonl"],
+        "validation_file": uploaded.get("validation.jsonl"), "suffix": "demo",
         "hyperparameters": task.hyperparameters}).json()
     if "error" in job and "id" not in job:
         echo(f"job creation failed: {job['error']['message']}")

@@ -239,3 +239,17 @@ def follows_format(reply: str) -> bool:
     """
     lines = reply.strip().splitlines()
     return len(lines) >= 2 and bool(_ANSWER.fullmatch(lines[0].strip())) and bool(_WHY.fullmatch(lines[1].strip()))
+
+
+# ------------------------------------------------------------------ the demo's job (measured)
+# On 2 CPU cores (OMP_NUM_THREADS=2): 20 optimizer steps of ~460 tokens, ~110 s for the whole
+# trainer run (load, eval, train, eval, save), peak RSS 1.9 GB; eval loss 3.18 -> 0.16, token
+# accuracy 0.47 -> 0.96; the format on 6/6 held-out prompts in 14 runs (base model: 0/6).
+MODEL = "smollm2-135m-instruct"
+EXAMPLES = 80
+TRAIN_SEED = 0
+VALIDATION_EXAMPLES = 40
+VALIDATION_SEED = 1000
+HYPERPARAMETERS: dict[str, Any] = {"n_epochs": 2, "learning_rate_multiplier": 10, "batch_size_tokens": 512,
+                                   "max_seq_len": 128, "warmup_steps": 3, "checkpoint_every_steps": 10}
+MAX_NEW_TOKENS = 40
