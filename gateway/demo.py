@@ -132,9 +132,6 @@ class _Gateway:
 def _replies(model_dir: Path, adapter_dir: Path, prompts: list[str],
              max_new_tokens: int) -> tuple[list[str], list[str]]:
     """Greedy replies to ``prompts`` from the base model, then from base + adapter."""
-    from trainer.quiet import quiet_libraries
-
-    quiet_libraries()
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -196,7 +193,9 @@ def run_demo(settings: Settings, echo: Callable[[str], None] = print, *, tiny: b
     fine-tuned model follows the taught format on the held-out prompts."""
     from gateway.usercli import extract_adapter, progress_line, save_credentials
     from trainer import catalog
+    from trainer.quiet import quiet_libraries
 
+    quiet_libraries()      # before anything imports huggingface_hub/transformers (model import, samples)
     t_start = time.monotonic()
     out = Path(os.getcwd()) / "demo-output"
     settings = settings.model_copy(update={"reconcile_interval_s": 1.0})
@@ -241,9 +240,9 @@ def run_demo(settings: Settings, echo: Callable[[str], None] = print, *, tiny: b
         time.sleep(1)
         job = client.get(f"/v1/fine_tuning/jobs/{job['id']}").json()
         line = progress_line(job)
-        if line != last:
+        if line.split("  ETA")[0] != last:      # a new phase or step, not just a clock tick
             echo(f"      {line}")
-            last = line
+            last = line.split("  ETA")[0]
     if job["status"] != "succeeded":
         echo(f"[6/7] FAILED: {job['status']}: {(job.get('error') or {}).get('message')}")
         server.stop()
