@@ -34,6 +34,9 @@ def _slurm(request: Request) -> Any:
     if client is None:
         raise ServiceError("Slurm does not answer from this gateway: the cluster pages are unavailable.",
                            code="no_backend")
+    if client.runner is None:      # local mode's scheduler: no cluster, accounts or usage to show
+        raise ServiceError("This gateway runs in local mode: there is no Slurm cluster to report on.",
+                           code="no_backend")
     return client
 
 
