@@ -436,9 +436,15 @@ def _local_first_start(settings: Any, url: str) -> None:
 
     token = onboard(settings, "local")
     if token is not None:
-        path = save_credentials(url, token)
-        click.echo(f"tenant 'local' created; its token is saved in {path}: `finetune files upload FILE` "
-                   f"and the other commands use it", err=True)
+        from gateway.usercli import saved_url
+
+        if saved_url() not in (None, url):      # logged in elsewhere: do not replace that login
+            click.echo(f"tenant 'local' created; its token (shown once): {token}\n"
+                       f"  use it: finetune login --url {url} --token {token}", err=True)
+        else:
+            path = save_credentials(url, token)
+            click.echo(f"tenant 'local' created; its token is saved in {path}: `finetune files upload "
+                       f"FILE` and the other commands use it", err=True)
     from trainer import catalog
 
     if not catalog.list_models(settings.models_root):

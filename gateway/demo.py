@@ -279,8 +279,11 @@ def run_demo(settings: Settings, echo: Callable[[str], None] = print, *, tiny: b
     server.stop()
     saved = save_credentials(SERVE_URL, token)
     echo(f"[7/7] done in {time.monotonic() - t_start:.0f}s; node cleanup: {job['cleanup']}")
-    serve = "finetune serve --local" + (f" --data-dir {settings.data_dir}" if settings.data_dir else "") \
-        if settings.local else "finetune serve"
+    serve = "finetune serve"
+    if settings.local:
+        from gateway.config import default_data_dir
+
+        serve += " --local" + ("" if settings.data_dir == default_data_dir() else f" --data-dir {settings.data_dir}")
     echo(f"      adapter (PEFT):   {adapter}\n      results:          {out}\n"
          f"      job dir (tenant): {job_dir(settings, TENANT, job['id'])}\n"
          f"      gateway DB:       {settings.database_url}\n"

@@ -315,8 +315,8 @@ def prepare(settings: Settings) -> None:
 
 
 def onboard(settings: Settings, tenant: str) -> str | None:
-    """Tenant ``tenant`` in the database with a member token (its storage is made on first use);
-    returns the token, or None when the tenant already existed."""
+    """On an empty database: tenant ``tenant`` with a member token (its storage is made on first
+    use); returns the token, or None when the database has tenants already (e.g. the demo's)."""
     from sqlmodel import select
 
     from gateway.db import open_database, session_scope
@@ -326,7 +326,7 @@ def onboard(settings: Settings, tenant: str) -> str | None:
     engine = open_database(settings)
     try:
         with session_scope(engine) as s:
-            if s.exec(select(Tenant).where(Tenant.name == tenant)).first() is not None:
+            if s.exec(select(Tenant)).first() is not None:
                 return None
         return onboarding_token(engine, tenant, name="local")
     finally:

@@ -70,6 +70,15 @@ def login(url: str, token: str) -> None:
     click.echo(f"saved credentials for {url} in {save_credentials(url, token)}")
 
 
+def saved_url() -> str | None:
+    """The gateway URL `finetune login` saved, if any."""
+    try:
+        url = json.loads(_credentials_path().read_text()).get("url")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return url if isinstance(url, str) else None
+
+
 def save_credentials(url: str, token: str) -> Path:
     """Write what `finetune login` saves (0600, replaced atomically); return the file's path."""
     path = _credentials_path()
@@ -245,6 +254,8 @@ def list_jobs(limit: int, after: str | None, as_json: bool) -> None:
     if as_json:
         _echo_json(page)
         return
+    if not page["data"]:
+        click.echo("no jobs yet: `finetune jobs create --training-file FILE_ID --model MODEL`")
     for j in page["data"]:
         phase = f"/{j['phase']}" if j.get("phase") and j["status"] == "running" else ""
         click.echo(f"{j['id']}  {_when(j['created_at'])}  {j['status'] + phase:<20} {j['model']:<14} "

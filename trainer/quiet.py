@@ -7,7 +7,7 @@ where an administrator debugging a job wants them, and never in the tenant's job
 What is silenced, each checked harmless here (FACTS.md):
 - bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community" (an optional
   accelerated kernel package; the built-in CPU path is used and tested);
-- transformers' weight-loading progress bars and advisory warnings;
+- progress bars (transformers' weight loading, the GGUF conversion) and advisory warnings;
 - FutureWarning / DeprecationWarning from libraries (notes for their developers, not for
   the person running the demo).
 """
@@ -22,6 +22,7 @@ import warnings
 def quiet_libraries() -> None:
     """Call before importing torch/transformers/bitsandbytes; idempotent."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")          # e.g. transformers' GGUF conversion bar
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
