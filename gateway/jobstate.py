@@ -2,7 +2,9 @@
 
 ``transition(state, event)`` is the only way a job's state changes (the service
 layer calls it inside a version-checked update). ``from_slurm`` turns what Slurm
-reports into an event. The OpenAI-visible status is ``state.value``.
+reports into an event, and ``decide`` turns a job's state and that event into what
+the reconciler does next. The OpenAI-visible status is ``state.value``. Pure: this
+module imports nothing from the rest of the gateway.
 """
 
 from __future__ import annotations
@@ -149,3 +151,49 @@ def from_slurm(state: str | None, exit_code: int | None = None, *, was_running: 
                                                           f"the job failed (Slurm state {s}, exit {exit_code})"))
         return SlurmView(Event.ERROR, reason, msg)
     return SlurmView(None)   # an unknown new Slurm state: change nothing, the next cycle decides
+
+
+class Action(StrEnum):
+    """What the reconciler does for one job in one cycle (``decide``)."""
+
+    NOTHING = "nothing"
+    CANCEL = "cancel"              # CANCELLING and Slurm may still run it: (re)start the cancel
+    CANCELLED = "cancelled"        # CANCELLING and Slurm shows no process left: apply STOPPED
+    PUBLISH = "publish"            # PUBLISHING: (re)try the publication
+    START = "start"                # apply STARTED
+    REQUEUE = "requeue"            # apply REQUEUED
+    COMPLETE = "complete"          # apply COMPLETED, then publish
+    FAIL = "fail"                  # apply ERROR with ``reason`` and ``message``
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: FailReason | None = None
+    message: str | None = None
+
+
+def decide(state: JobState, view: SlurmView, *, gone: bool = False,
+           trainer_failure: str | None = None) -> Decision:
+    """What to do for a job in ``state`` given what Slurm shows (``view``, from ``from_slurm``).
+
+    A job being cancelled or published keeps doing that whatever the event: a cancel is
+    confirmed only when Slurm lists the job with no process left (``gone``). A failure's
+    message is the trainer's own (``trainer_failure``, from its events) when it gave one.
+    The event applied may still be refused by ``transition`` (IllegalTransition) when the
+    state does not allow it.
+    """
+    if state is JobState.CANCELLING:
+        return Decision(Action.CANCELLED if gone else Action.CANCEL)
+    if state is JobState.PUBLISHING:
+        return Decision(Action.PUBLISH)
+    if view.event is Event.STARTED and state is JobState.QUEUED:
+        return Decision(Action.START)
+    if view.event is Event.REQUEUED and state is JobState.RUNNING:
+        return Decision(Action.REQUEUE)
+    if view.event is Event.COMPLETED:
+        return Decision(Action.COMPLETE)
+    if view.event in (Event.ERROR, Event.STOPPED):
+        return Decision(Action.FAIL, view.reason or FailReason.INTERNAL,
+                        trainer_failure or view.message or "the job failed")
+    return Decision(Action.NOTHING)

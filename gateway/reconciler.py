@@ -1,16 +1,17 @@
 """The reconciler: brings every active job in line with Slurm and the trainer's events.
 
-One cycle = ONE batched Slurm query for all active jobs (``SlurmClient.states``:
-one squeue + at most one sacct), whatever their number; then per job: new trainer
-events (phase, metrics, checkpoints, attempt), the state change Slurm implies,
-publication of a completed attempt, cleanup confirmation from the scrub report.
-A failed Slurm query changes nothing and backs off. All state is in the database,
-so a restarted gateway picks up where it stopped.
+Owns the loop: one cycle = ONE batched Slurm query for all active jobs
+(``SlurmClient.states``: one squeue + at most one sacct) and ONE events read per
+tenant, whatever their number; then per job the trainer's new events
+(``services.progress``), the step ``jobstate.decide`` picks from Slurm's state, and
+publication (``services.publication``); then cleanup confirmation, recovery of
+interrupted submissions and the temp sweep. A failed Slurm query changes nothing and
+backs off. It may import the state machine, the services, storage and the Slurm
+client; all state is in the database, so a restarted gateway picks up where it stopped.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -21,22 +22,25 @@ from typing import Any
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from gateway import publish
 from gateway.config import Settings
-from gateway.jobstate import Event, FailReason, JobState, from_slurm
-from gateway.models import DataFile, FineTuningJob, JobCheckpoint, Tenant, new_id, utcnow
-from gateway.services import Conflict, ServiceError
+from gateway.jobstate import Action, Event, FailReason, JobState, decide, from_slurm
+from gateway.models import DataFile, FineTuningJob, Role, Tenant, utcnow
+from gateway.scrub import ScrubReportError, read_report, report_path
+from gateway.services import ServiceError
+from gateway.services import jobs as job_service
 from gateway.services.jobs import StaleJob, add_event, apply_event, update_fields
+from gateway.services.progress import ingest_events, trainer_failure
+from gateway.services.publication import fine_tuned_model_name as fine_tuned_model_name  # re-exported
+from gateway.services.publication import publish_attempt
+from gateway.services.tokens import Principal
 from gateway.slurm.client import JobStatus, SlurmClient
 from gateway.slurm.runner import SlurmError
-from gateway.storage import layout, storage_for
+from gateway.storage import storage_for
 
 log = logging.getLogger(__name__)
 WATCHED = (JobState.QUEUED, JobState.RUNNING, JobState.PUBLISHING, JobState.CANCELLING)
 SWEEP_EVERY_S = 60.0       # look for leftovers of interrupted publications this often
 SWEEP_MIN_AGE_S = 60.0     # older than any publication in flight (they take well under a second)
-PHASES = {"tokenizing": "tokenizing", "training": "training", "evaluating": "evaluating",
-          "saving": "evaluating"}
 
 
 @dataclass
@@ -46,10 +50,6 @@ class CycleStats:
     changed: int = 0
     published: int = 0
     errors: list[str] = field(default_factory=list)
-
-
-def fine_tuned_model_name(job: FineTuningJob, tenant: str) -> str:
-    return f"ft:{job.model}:{tenant}:{job.suffix or ''}:{job.id}"
 
 
 class Reconciler:
@@ -159,10 +159,8 @@ class Reconciler:
                     apply_event(s, job, Event.SUBMITTED, message=f"Recovered: Slurm job {found[job.id]} "
                                 "was submitted before the gateway restarted", slurm_job_id=found[job.id])
                 elif self.submitter is not None and (spec := self._saved_spec(s, job, tenant)) is not None:
-                    from gateway.services.jobs import submit_job
-
                     add_event(s, job.id, "Submitting again: the gateway stopped before Slurm had the job")
-                    submit_job(session=s, job=job, spec=spec, tenant=tenant.name, submit=self.submitter)
+                    job_service.submit_job(session=s, job=job, spec=spec, tenant=tenant.name, submit=self.submitter)
                 else:
                     apply_event(s, job, Event.ERROR, level="error", message="Job failed: submission was "
                                 "interrupted; create the job again",
@@ -178,40 +176,33 @@ class Reconciler:
         rewrite it): it is parsed, validated and compared, and a mismatch is logged, never used."""
         spec = self._rebuilt_spec(s, job, tenant)
         if spec is not None:
-            from gateway.services.jobs import saved_spec_matches
-
             try:
                 saved = self.storage.tenant(tenant.name).read_spec(job.id)
             except ServiceError:
                 saved = None
-            if saved is not None and not saved_spec_matches(saved, spec):
+            if saved is not None and not job_service.saved_spec_matches(saved, spec):
                 log.warning("job %s: the spec.json in tenant storage differs from the gateway's "
                             "record; submitting the recorded spec", job.id)
         return spec
 
     def _rebuilt_spec(self, s: Session, job: FineTuningJob, tenant: Tenant) -> dict[str, Any] | None:
-        from gateway.models import Role
-        from gateway.services import ServiceError
-        from gateway.services.jobs import _catalog_entry, job_spec
-        from gateway.services.tokens import Principal
-
         train = s.get(DataFile, job.training_file)
         val = s.get(DataFile, job.validation_file) if job.validation_file else None
         if train is None or train.deleted_at is not None or (val is not None and val.deleted_at is not None):
             return None
         owner = Principal(0, Role.MEMBER, tenant.id, tenant.name, tenant.unix_user)
         try:
-            entry = _catalog_entry(self.settings, job.model)
+            entry = job_service._catalog_entry(self.settings, job.model)
             if job.model_digest and entry.digest != job.model_digest:
                 return None
-            return job_spec(self.settings, owner, job, train, val, entry)
+            return job_service.job_spec(self.settings, owner, job, train, val, entry)
         except ServiceError:
             return None
 
     # ------------------------------------------------------------- per job
     def _one(self, s: Session, job: FineTuningJob, tenant: Tenant, st: JobStatus, events: bytes) -> bool:
         before = job.status
-        self._ingest_events(s, job, events)
+        ingest_events(session=s, job=job, data=events)
         node = (st.queue.nodes if st.queue else None) or (st.acct.nodes if st.acct else None)
         if node and (job.progress or {}).get("node") != node:
             update_fields(s, job, progress={**(job.progress or {}), "node": node}, slurm_state=st.state)
@@ -220,34 +211,34 @@ class Reconciler:
         state = JobState(job.status)
         exit_code = st.acct.exit[0] if st.acct and st.acct.exit else None
         view = from_slurm(st.state, exit_code, was_running=state is JobState.RUNNING)
-        if state is JobState.CANCELLING:
-            self._cancelling_step(s, job, st)
-        elif state is JobState.PUBLISHING:
+        d = decide(state, view, gone=not st.active, trainer_failure=trainer_failure(job))
+        if d.action is Action.CANCEL:
+            self.start_cancel(job.slurm_job_id)
+        elif d.action is Action.CANCELLED:
+            apply_event(s, job, Event.STOPPED, message="Job cancelled: Slurm confirms no process is left",
+                        stop_confirmed_at=utcnow(), finished_at=utcnow(), cleanup="pending")
+        elif d.action is Action.PUBLISH:
             self._publish(s, job, tenant)
-        elif view.event is Event.STARTED and state is JobState.QUEUED:
+        elif d.action is Action.START:
             apply_event(s, job, Event.STARTED, message=f"Job started on {node or 'a node'}",
                         started_at=job.started_at or utcnow())
-        elif view.event is Event.REQUEUED and state is JobState.RUNNING:
+        elif d.action is Action.REQUEUE:
             apply_event(s, job, Event.REQUEUED, message="Job requeued by Slurm; it will resume from "
                         "its last checkpoint")
-        elif view.event is Event.COMPLETED:
+        elif d.action is Action.COMPLETE:
             apply_event(s, job, Event.COMPLETED, message="Training finished; publishing the results")
             self._publish(s, job, tenant)
-        elif view.event in (Event.ERROR, Event.STOPPED):
-            reason = view.reason or FailReason.INTERNAL
-            message = self._trainer_failure(job, tenant) or view.message or "the job failed"
-            apply_event(s, job, Event.ERROR, level="error", message=f"Job failed: {message}",
-                        error={"code": reason.value, "message": message, "param": None,
-                               "reason": reason.value},
+        elif d.action is Action.FAIL:
+            assert d.reason is not None
+            apply_event(s, job, Event.ERROR, level="error", message=f"Job failed: {d.message}",
+                        error={"code": d.reason.value, "message": d.message, "param": None,
+                               "reason": d.reason.value},
                         finished_at=utcnow(), stop_confirmed_at=utcnow(), cleanup="pending")
         return job.status != before
 
-    def _cancelling_step(self, s: Session, job: FineTuningJob, st: JobStatus) -> None:
-        if st.source != "missing" and not st.active:
-            apply_event(s, job, Event.STOPPED, message="Job cancelled: Slurm confirms no process is left",
-                        stop_confirmed_at=utcnow(), finished_at=utcnow(), cleanup="pending")
-            return
-        self.start_cancel(job.slurm_job_id)
+    def _publish(self, s: Session, job: FineTuningJob, tenant: Tenant) -> None:
+        # one name for the race test (tests/service/test_publication_race.py) to drive publication by
+        publish_attempt(session=s, settings=self.settings, storage=self.storage, job=job, tenant_name=tenant.name)
 
     def start_cancel(self, slurm_id: int | None) -> None:
         """Run ``SlurmClient.cancel`` in a thread, once per Slurm job at a time."""
@@ -271,152 +262,33 @@ class Reconciler:
 
         threading.Thread(target=work, name=f"cancel-{slurm_id}", daemon=True).start()
 
-    # -------------------------------------------------------------- events
-    def _ingest_events(self, s: Session, job: FineTuningJob, data: bytes) -> None:
-        """Apply the complete lines of ``data`` (events.jsonl from the job's offset: written by the
-        tenant's job, so untrusted: a line that is not a JSON object is skipped)."""
-        end = data.rfind(b"\n")
-        if end < 0:
-            return
-        progress = dict(job.progress or {})
-        changes: dict[str, Any] = {}
-        for line in data[:end + 1].splitlines():
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(ev, dict):
-                continue
-            self._one_event(s, job, ev, progress, changes)
-        changes["progress"] = progress
-        changes["events_offset"] = job.events_offset + end + 1
-        update_fields(s, job, **changes)
-
-    def _one_event(self, s: Session, job: FineTuningJob, ev: dict[str, Any], progress: dict[str, Any],
-                   changes: dict[str, Any]) -> None:
-        kind = ev.get("type")
-        attempt = ev.get("attempt")
-        if isinstance(attempt, int) and attempt > changes.get("attempt", job.attempt):
-            changes["attempt"] = attempt
-            add_event(s, job.id, f"Attempt {attempt} started (requeued run resumes from its checkpoint)")
-        if kind == "phase" and ev.get("phase") in PHASES:
-            changes["phase"] = PHASES[ev["phase"]]
-            add_event(s, job.id, f"Phase: {ev['phase']}", data={"phase": ev["phase"]})
-        elif kind == "metrics":
-            step, total = ev.get("step"), ev.get("total_steps")
-            progress.update({k: ev.get(k) for k in ("step", "total_steps", "loss", "lr", "tokens_per_s",
-                                                    "elapsed_s", "epoch")})
-            # trained_tokens = tokens of every distinct step (a resumed attempt redoes a few)
-            if isinstance(step, int) and isinstance(ev.get("tokens"), int) and step > progress.get("counted_step", 0):
-                progress["counted_step"] = step
-                changes["trained_tokens"] = changes.get("trained_tokens", job.trained_tokens or 0) + ev["tokens"]
-            if isinstance(step, int) and isinstance(total, int) and step > 0 and ev.get("elapsed_s"):
-                left = (total - step) * float(ev["elapsed_s"]) / step
-                changes["estimated_finish"] = utcnow() + timedelta(seconds=left)
-            add_event(s, job.id, f"Step {step}/{total}: training loss={ev.get('loss', 0):.4f}",
-                      type_="metrics", data={"step": step, "total_steps": total,
-                                             "train_loss": ev.get("loss"),
-                                             "tokens_per_s": ev.get("tokens_per_s")})
-        elif kind == "eval":
-            progress.setdefault("evals", []).append(
-                {k: ev.get(k) for k in ("when", "step", "loss", "perplexity", "token_accuracy")})
-            add_event(s, job.id, f"Eval ({ev.get('when')}, step {ev.get('step')}): loss={ev.get('loss', 0):.4f}",
-                      type_="metrics", data={"step": ev.get("step"), "valid_loss": ev.get("loss"),
-                                             "valid_mean_token_accuracy": ev.get("token_accuracy")})
-        elif kind == "checkpoint":
-            s.add(JobCheckpoint(job_id=job.id, attempt=int(ev.get("attempt") or 0), step=int(ev.get("step") or 0),
-                                path=str(ev.get("path", "")),
-                                metrics={"train_loss": progress.get("loss"), "step": ev.get("step")}))
-            add_event(s, job.id, f"Checkpoint saved at step {ev.get('step')}")
-        elif kind == "stopped":
-            add_event(s, job.id, f"Trainer stopped by {ev.get('signal')} at step {ev.get('step')} "
-                      f"(checkpoint {ev.get('checkpoint_step')})")
-        elif kind == "failed":
-            progress["failure"] = {"reason": ev.get("reason"), "message": ev.get("message")}
-
-    def _trainer_failure(self, job: FineTuningJob, tenant: Tenant) -> str | None:
-        failure = (job.progress or {}).get("failure") or {}
-        msg = failure.get("message")
-        return f"{msg}" if msg else None
-
-    # ---------------------------------------------------------- publication
-    def _publish(self, s: Session, job: FineTuningJob, tenant: Tenant) -> None:
-        """Verify and build as the tenant (broker ``publish_build``), record the rows and the
-        transition, rename the build dir into place, commit; on any failure remove it again."""
-        store = self.storage.tenant(tenant.name)
-        try:
-            built = store.publish_build(job.id, job.attempt, job.model_digest)
-            evaluation = built.get("evaluation")
-            refused = publish.eval_gate(evaluation if isinstance(evaluation, dict) else {},
-                                        self.settings.eval_gate, self.settings.eval_gate_tolerance)
-            if refused:
-                store.remove([(layout.ARTIFACTS, built["name"])])
-                raise publish.PublishError(refused)
-            results = publish.check_results(built.get("results"))
-        except (publish.PublishError, Conflict) as e:
-            msg = e.message if isinstance(e, Conflict) else str(e)
-            apply_event(s, job, Event.ERROR, level="error", message=f"Publication refused: {msg}",
-                        error={"code": "publication_refused", "message": msg, "param": None,
-                               "reason": FailReason.INTERNAL.value},
-                        finished_at=utcnow(), cleanup="pending")
-            return
-        aid = new_id("art")
-        committed = False
-        try:
-            rows = []
-            for name, (size, sha) in results.items():
-                row = DataFile(tenant_id=job.tenant_id, filename=f"{job.id}-{name}", purpose="fine-tune-results",
-                               bytes=size, sha256=sha, status="processed", path=layout.result_path(aid, name),
-                               job_id=job.id)
-                s.add(row)
-                rows.append(row)
-            s.flush()
-            apply_event(s, job, Event.PUBLISHED, message="The job has successfully completed",
-                        fine_tuned_model=fine_tuned_model_name(job, tenant.name),
-                        result_files=[r.id for r in rows], finished_at=utcnow(), cleanup="pending")
-            store.publish_commit(built["name"], aid)
-            committed = True
-            s.commit()
-        except BaseException:
-            s.rollback()
-            try:
-                store.remove([(layout.ARTIFACTS, built["name"])] +
-                             ([layout.artifact(aid)] if committed else []))
-            except ServiceError:
-                pass     # the sweep removes a leftover build dir later
-            raise
-
     # -------------------------------------------------------------- cleanup
     def _confirm_cleanups(self, s: Session) -> None:
-        from gateway.scrub import ScrubReportError, read_report, report_path
+        for job in list(s.exec(select(FineTuningJob).where(FineTuningJob.cleanup == "pending"))):
+            if self.settings.local:       # no nodes, no scrubber: nothing will ever confirm a cleanup
+                self._set_cleanup(s, job, "off", "No node cleanup in local mode (no scrubber runs)", "warn")
+            elif (ok := self._epilog_ok(job)) is not None:
+                self._set_cleanup(s, job, "confirmed" if ok else "failed", "Node cleanup confirmed by the epilog"
+                                  if ok else "Node cleanup FAILED: the node was drained for an administrator",
+                                  "info" if ok else "warn")
 
-        pending = list(s.exec(select(FineTuningJob).where(FineTuningJob.cleanup == "pending")))
-        if self.settings.local:       # no nodes, no scrubber: nothing will ever confirm a cleanup
-            for job in pending:
-                try:
-                    update_fields(s, job, cleanup="off")
-                    add_event(s, job.id, "No node cleanup in local mode (no scrubber runs)", level="warn")
-                    s.commit()
-                except StaleJob:
-                    s.rollback()
-            return
-        for job in pending:
-            node = (job.progress or {}).get("node")
-            if not node or job.slurm_job_id is None:
-                continue
-            path = report_path(self.settings.scrub_report_dir, node, job.slurm_job_id, "epilog")
-            if not path.exists():
-                continue
-            try:
-                report = read_report(path)
-                ok = report.ok
-            except ScrubReportError:
-                ok = False
-            try:
-                update_fields(s, job, cleanup="confirmed" if ok else "failed")
-                add_event(s, job.id, "Node cleanup confirmed by the epilog" if ok else
-                          "Node cleanup FAILED: the node was drained for an administrator",
-                          level="info" if ok else "warn")
-                s.commit()
-            except StaleJob:
-                s.rollback()
+    def _epilog_ok(self, job: FineTuningJob) -> bool | None:
+        """Whether the epilog's scrub report for ``job`` says the node is clean; None: no report yet."""
+        node = (job.progress or {}).get("node")
+        if not node or job.slurm_job_id is None:
+            return None
+        path = report_path(self.settings.scrub_report_dir, node, job.slurm_job_id, "epilog")
+        if not path.exists():
+            return None
+        try:
+            return read_report(path).ok
+        except ScrubReportError:
+            return False
+
+    def _set_cleanup(self, s: Session, job: FineTuningJob, cleanup: str, message: str, level: str) -> None:
+        try:
+            update_fields(s, job, cleanup=cleanup)
+            add_event(s, job.id, message, level=level)
+            s.commit()
+        except StaleJob:
+            s.rollback()

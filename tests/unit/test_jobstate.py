@@ -1,4 +1,4 @@
-"""The job state machine, exhaustively."""
+"""The job state machine and the reconciler's decision over it, exhaustively."""
 
 from __future__ import annotations
 
@@ -10,10 +10,14 @@ from gateway.jobstate import (
     ACTIVE,
     TERMINAL,
     TRANSITIONS,
+    Action,
+    Decision,
     Event,
     FailReason,
     IllegalTransition,
     JobState,
+    SlurmView,
+    decide,
     from_slurm,
     transition,
 )
@@ -100,3 +104,61 @@ def test_from_slurm(slurm: str | None, exit_code: int | None, running: bool, eve
 def test_openai_names() -> None:
     assert {s.value for s in JobState} - {"cancelling", "publishing"} == {
         "validating_files", "queued", "running", "succeeded", "failed", "cancelled"}
+
+
+A = Action
+KINDS = [None, *Event]                     # every event a SlurmView can carry, and "nothing changed"
+# What the reconciler does, by state and Slurm's event (Slurm still lists a process: gone=False).
+# VALIDATING_FILES and the terminal states are never watched; for them COMPLETE and FAIL are what
+# the reconciler would attempt and transition() refuses.
+DECISIONS = {
+    **{(S.CANCELLING, k): A.CANCEL for k in KINDS},
+    **{(S.PUBLISHING, k): A.PUBLISH for k in KINDS},
+    (S.QUEUED, E.STARTED): A.START,
+    (S.RUNNING, E.REQUEUED): A.REQUEUE,
+    **{(s, E.COMPLETED): A.COMPLETE for s in set(S) - {S.CANCELLING, S.PUBLISHING}},
+    **{(s, k): A.FAIL for s in set(S) - {S.CANCELLING, S.PUBLISHING} for k in (E.ERROR, E.STOPPED)},
+}
+APPLIES = {A.START: E.STARTED, A.REQUEUE: E.REQUEUED, A.COMPLETE: E.COMPLETED, A.FAIL: E.ERROR,
+           A.CANCELLED: E.STOPPED}
+
+
+def _view(kind: Event | None) -> SlurmView:
+    if kind in (E.ERROR, E.STOPPED):
+        return SlurmView(kind, FailReason.OOM, "the job ran out of memory")
+    return SlurmView(kind)
+
+
+@pytest.mark.parametrize("gone", [False, True])
+@pytest.mark.parametrize(("state", "kind"), list(itertools.product(JobState, KINDS)))
+def test_decide_every_state_and_event(state: JobState, kind: Event | None, gone: bool) -> None:
+    want = DECISIONS.get((state, kind), A.NOTHING)
+    if state is S.CANCELLING and gone:
+        want = A.CANCELLED
+    got = decide(state, _view(kind), gone=gone)
+    if want is A.FAIL:
+        assert got == Decision(A.FAIL, FailReason.OOM, "the job ran out of memory")
+    else:
+        assert got == Decision(want)
+
+
+@pytest.mark.parametrize("state", [S.QUEUED, S.RUNNING, S.PUBLISHING, S.CANCELLING])
+@pytest.mark.parametrize("gone", [False, True])
+def test_decide_never_picks_an_event_a_watched_state_refuses(state: JobState, gone: bool) -> None:
+    for kind in KINDS:
+        event = APPLIES.get(decide(state, _view(kind), gone=gone).action)
+        if event is not None:
+            transition(state, event)
+
+
+@pytest.mark.parametrize(("view", "trainer", "reason", "message"), [
+    (SlurmView(E.ERROR, FailReason.USER_ERROR, "rejected"), "line 3: no messages", FailReason.USER_ERROR,
+     "line 3: no messages"),                                  # the trainer's own words win
+    (SlurmView(E.ERROR, FailReason.TIMEOUT, "time limit"), None, FailReason.TIMEOUT, "time limit"),
+    (SlurmView(E.STOPPED), None, FailReason.INTERNAL, "the job failed"),
+    (from_slurm("CANCELLED by 0"), None, FailReason.INTERNAL,
+     "the job was cancelled outside the gateway (by an administrator)"),
+])
+def test_decide_failure_reason_and_message(view: SlurmView, trainer: str | None, reason: FailReason,
+                                           message: str) -> None:
+    assert decide(S.RUNNING, view, trainer_failure=trainer) == Decision(A.FAIL, reason, message)

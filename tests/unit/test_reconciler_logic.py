@@ -1,8 +1,10 @@
 """Reconciler decisions against the argv-level FakeSlurm and a real SQLite file:
-batching, a failed query changing nothing, recovery of interrupted submissions."""
+batching, a failed query changing nothing, recovery of interrupted submissions, the
+trainer's events, and publication against a storage fake that records its verbs."""
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -13,11 +15,12 @@ from sqlmodel import Session, select
 from gateway.config import Settings
 from gateway.db import make_engine, migrate
 from gateway.jobstate import JobState
-from gateway.models import DataFile, FineTuningJob, Tenant, utcnow
-from gateway.reconciler import Reconciler
+from gateway.models import DataFile, FineTuningJob, JobCheckpoint, JobEvent, Tenant, utcnow
+from gateway.reconciler import Reconciler, fine_tuned_model_name
 from gateway.slurm import JobScript, SlurmClient, SlurmCommandError
 from gateway.slurm.fake import FakeSlurm
-from gateway.storage.layout import tenant_root
+from gateway.storage import StorageUnavailable
+from gateway.storage.layout import RESULT_NAMES, tenant_root
 
 
 @pytest.fixture
@@ -136,3 +139,162 @@ def test_interrupted_without_spec_fails_clearly(env: Any) -> None:
     assert job.status == "failed" and job.error and job.error["code"] == "submission_lost"
     with Session(engine) as s:
         assert s.exec(select(FineTuningJob).where(FineTuningJob.status == JobState.QUEUED.value)).first() is None
+
+
+def _running(engine: Any, client: SlurmClient, fake: FakeSlurm, **kw: Any) -> tuple[str, int]:
+    sid = client.submit(JobScript("x", "acme", "q", "/srv/x", ("true",)))
+    fake.start(sid)
+    return _job(engine, status="running", slurm_job_id=sid, **kw), sid
+
+
+def _events(settings: Settings, job_id: str, *lines: str | dict[str, Any]) -> None:
+    d = tenant_root(settings.storage_root, "acme") / "jobs" / job_id
+    d.mkdir(parents=True, exist_ok=True)
+    with (d / "events.jsonl").open("a") as f:
+        f.write("".join(ln if isinstance(ln, str) else json.dumps(ln) + "\n" for ln in lines))
+
+
+def test_trainer_events_become_progress_checkpoints_and_tokens(env: Any) -> None:
+    engine, settings, fake, client = env
+    jid, _ = _running(engine, client, fake)
+    step = {"type": "metrics", "total_steps": 10, "loss": 1.5, "lr": 1e-4, "tokens_per_s": 9.0,
+            "elapsed_s": 2.0, "epoch": 0, "tokens": 100}
+    _events(settings, jid, {"type": "phase", "phase": "saving"}, "not json\n", "[1, 2]\n",
+            {**step, "step": 1}, {**step, "step": 2, "loss": 1.25},
+            {"type": "checkpoint", "attempt": 0, "step": 2, "path": "attempts/0/ckpt-2"},
+            {"type": "eval", "when": "after", "step": 2, "loss": 1.0, "perplexity": 2.7, "token_accuracy": 0.5},
+            {**step, "type": "metrics", "step": 2, "attempt": 1},      # a resumed attempt redoes step 2
+            '{"type": "metrics", "step": 3')                             # no newline yet: not read
+    Reconciler(engine, settings, client).cycle()
+    job = _status(engine, jid)
+    assert job.phase == "evaluating" and job.attempt == 1 and job.trained_tokens == 200
+    assert job.progress and job.progress["step"] == 2 and job.progress["counted_step"] == 2
+    assert job.progress["evals"] == [{"when": "after", "step": 2, "loss": 1.0, "perplexity": 2.7,
+                                      "token_accuracy": 0.5}]
+    assert job.estimated_finish is not None
+    path = tenant_root(settings.storage_root, "acme") / "jobs" / jid / "events.jsonl"
+    assert job.events_offset == path.read_bytes().rfind(b"\n") + 1
+    with Session(engine) as s:
+        ckpts = s.exec(select(JobCheckpoint).where(JobCheckpoint.job_id == jid)).all()
+        messages = [e.message for e in s.exec(select(JobEvent).where(JobEvent.job_id == jid))]
+    assert [(c.attempt, c.step, c.path) for c in ckpts] == [(0, 2, "attempts/0/ckpt-2")]
+    assert "Phase: saving" in messages and "Step 2/10: training loss=1.2500" in messages
+    assert "Attempt 1 started (requeued run resumes from its checkpoint)" in messages
+    assert "Checkpoint saved at step 2" in messages
+
+
+def test_trainer_failure_message_is_the_error(env: Any) -> None:
+    engine, settings, fake, client = env
+    jid, sid = _running(engine, client, fake)
+    _events(settings, jid, {"type": "failed", "reason": "user_error", "message": "line 3: no messages"})
+    fake.finish(sid, "FAILED", "1:0")
+    fake.age_out(sid)
+    Reconciler(engine, settings, client).cycle()
+    job = _status(engine, jid)
+    assert job.status == "failed" and job.cleanup == "pending" and job.error == {
+        "code": "internal", "message": "line 3: no messages", "param": None, "reason": "internal"}
+
+
+def test_requeue_then_start_again(env: Any) -> None:
+    engine, settings, fake, client = env
+    jid, sid = _running(engine, client, fake)
+    fake.jobs[sid].state = "PENDING"
+    rec = Reconciler(engine, settings, client)
+    rec.cycle()
+    assert _status(engine, jid).status == "queued"
+    fake.start(sid)
+    rec.cycle()
+    assert _status(engine, jid).status == "running"
+
+
+class _FakeStore:
+    """Tenant storage as publication sees it: records what it was asked to do."""
+
+    def __init__(self, evaluation: dict[str, Any], fail_commit: bool = False):
+        self.evaluation, self.fail_commit = evaluation, fail_commit
+        self.committed: list[tuple[str, str]] = []
+        self.removed: list[Any] = []
+
+    def tenant(self, name: str) -> _FakeStore:
+        return self
+
+    def read_events(self, offsets: dict[str, int]) -> dict[str, bytes]:
+        return {}
+
+    def sweep(self, min_age_s: float) -> int:
+        return 0
+
+    def publish_build(self, job_id: str, attempt: int, model_digest: str | None) -> dict[str, Any]:
+        return {"name": ".pub-1", "evaluation": self.evaluation,
+                "results": {n: [1, "a" * 64] for n in RESULT_NAMES}}
+
+    def publish_commit(self, name: str, art_id: str) -> None:
+        if self.fail_commit:
+            raise StorageUnavailable("broker gone")
+        self.committed.append((name, art_id))
+
+    def remove(self, paths: list[Any]) -> int:
+        self.removed.append(paths)
+        return len(paths)
+
+
+GOOD_EVAL = {"before": {"loss": 2.0}, "after": {"loss": 1.0}}
+
+
+def _reconciler(engine: Any, settings: Settings, client: SlurmClient, store: _FakeStore) -> Reconciler:
+    rec = Reconciler(engine, settings, client)
+    rec.storage = store  # type: ignore[assignment]
+    return rec
+
+
+def test_completed_job_is_published_in_the_same_cycle(env: Any) -> None:
+    engine, settings, fake, client = env
+    jid, sid = _running(engine, client, fake, suffix="v1")
+    fake.finish(sid, "COMPLETED", "0:0")
+    store = _FakeStore(GOOD_EVAL)
+    stats = _reconciler(engine, settings, client, store).cycle()
+    job = _status(engine, jid)
+    assert stats.published == 1 and job.status == "succeeded" and job.cleanup == "pending"
+    assert job.fine_tuned_model == fine_tuned_model_name(job, "acme") == f"ft:m:acme:v1:{jid}"
+    assert [n for n, _ in store.committed] == [".pub-1"] and store.removed == []
+    with Session(engine) as s:
+        rows = s.exec(select(DataFile).where(DataFile.job_id == jid)).all()
+    assert sorted(r.id for r in rows) == sorted(job.result_files or [])
+    assert {r.path for r in rows} == {f"artifacts/{store.committed[0][1]}/{n}" for n in RESULT_NAMES}
+
+
+def test_eval_gate_refuses_and_removes_the_build(env: Any) -> None:
+    engine, settings, fake, client = env
+    jid = _job(engine, status="publishing", slurm_job_id=4242)
+    store = _FakeStore({"before": {"loss": 1.0}, "after": {"loss": 2.0}})
+    _reconciler(engine, settings, client, store).cycle()
+    job = _status(engine, jid)
+    assert job.status == "failed" and job.error and job.error["code"] == "publication_refused"
+    assert "eval gate" in job.error["message"] and store.removed == [[("artifacts", ".pub-1")]]
+
+
+def test_lost_commit_rolls_back_and_removes_the_build(env: Any) -> None:
+    engine, settings, fake, client = env
+    jid = _job(engine, status="publishing", slurm_job_id=4242)
+    store = _FakeStore(GOOD_EVAL, fail_commit=True)
+    stats = _reconciler(engine, settings, client, store).cycle()
+    job = _status(engine, jid)
+    assert job.status == "publishing" and job.version == 0 and stats.errors == [f"{jid}: StorageUnavailable"]
+    assert store.removed == [[("artifacts", ".pub-1")]]
+    with Session(engine) as s:
+        assert s.exec(select(DataFile).where(DataFile.job_id == jid)).all() == []
+
+
+def test_cancelling_job_is_cancelled_once_slurm_has_no_process(env: Any) -> None:
+    engine, settings, fake, client = env
+    sid = client.submit(JobScript("x", "acme", "q", "/srv/x", ("true",)))
+    jid = _job(engine, status="cancelling", slurm_job_id=sid)
+    fake.start(sid)
+    rec = Reconciler(engine, settings, client)
+    rec.cycle()                       # still running: the cancel is (re)sent, the state waits
+    assert _status(engine, jid).status == "cancelling"
+    fake.finish(sid, "CANCELLED", "0:15")
+    fake.age_out(sid)
+    rec.cycle()
+    job = _status(engine, jid)
+    assert job.status == "cancelled" and job.stop_confirmed_at is not None and job.cleanup == "pending"

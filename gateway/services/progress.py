@@ -1,0 +1,99 @@
+"""The trainer's progress events: a job's ``events.jsonl`` lines turned into its row.
+
+Owns reading those lines (written by the tenant's job, so untrusted) into the job's
+progress, phase, attempt, trained tokens, estimated finish, checkpoints and event list,
+and the trainer's own failure message. Imports the models and ``services.jobs`` only;
+the reconciler reads the bytes (through storage) and calls ``ingest_events``.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+from sqlmodel import Session
+
+from gateway.models import FineTuningJob, JobCheckpoint, utcnow
+from gateway.services.jobs import add_event, update_fields
+
+# trainer phases → the job's phase ("saving" is shown as the evaluating phase)
+PHASES = {"tokenizing": "tokenizing", "training": "training", "evaluating": "evaluating",
+          "saving": "evaluating"}
+
+
+def ingest_events(*, session: Session, job: FineTuningJob, data: bytes) -> None:
+    """Apply the complete lines of ``data`` (events.jsonl from the job's offset) to ``job`` and
+    move its offset past them; a line that is not a JSON object is skipped, an unfinished last
+    line is left for the next read. Raises StaleJob if another writer changed the job."""
+    end = data.rfind(b"\n")
+    if end < 0:
+        return
+    progress = dict(job.progress or {})
+    changes: dict[str, Any] = {}
+    for line in data[:end + 1].splitlines():
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(ev, dict):
+            continue
+        _one_event(session, job, ev, progress, changes)
+    changes["progress"] = progress
+    changes["events_offset"] = job.events_offset + end + 1
+    update_fields(session, job, **changes)
+
+
+def trainer_failure(job: FineTuningJob) -> str | None:
+    """The failure message the trainer reported in its events, or None."""
+    failure = (job.progress or {}).get("failure") or {}
+    msg = failure.get("message")
+    return f"{msg}" if msg else None
+
+
+def _one_event(s: Session, job: FineTuningJob, ev: dict[str, Any], progress: dict[str, Any],
+               changes: dict[str, Any]) -> None:
+    kind = ev.get("type")
+    attempt = ev.get("attempt")
+    if isinstance(attempt, int) and attempt > changes.get("attempt", job.attempt):
+        changes["attempt"] = attempt
+        add_event(s, job.id, f"Attempt {attempt} started (requeued run resumes from its checkpoint)")
+    if kind == "phase" and ev.get("phase") in PHASES:
+        changes["phase"] = PHASES[ev["phase"]]
+        add_event(s, job.id, f"Phase: {ev['phase']}", data={"phase": ev["phase"]})
+    elif kind == "metrics":
+        _metrics(s, job, ev, progress, changes)
+    elif kind == "eval":
+        progress.setdefault("evals", []).append(
+            {k: ev.get(k) for k in ("when", "step", "loss", "perplexity", "token_accuracy")})
+        add_event(s, job.id, f"Eval ({ev.get('when')}, step {ev.get('step')}): loss={ev.get('loss', 0):.4f}",
+                  type_="metrics", data={"step": ev.get("step"), "valid_loss": ev.get("loss"),
+                                         "valid_mean_token_accuracy": ev.get("token_accuracy")})
+    elif kind == "checkpoint":
+        s.add(JobCheckpoint(job_id=job.id, attempt=int(ev.get("attempt") or 0), step=int(ev.get("step") or 0),
+                            path=str(ev.get("path", "")),
+                            metrics={"train_loss": progress.get("loss"), "step": ev.get("step")}))
+        add_event(s, job.id, f"Checkpoint saved at step {ev.get('step')}")
+    elif kind == "stopped":
+        add_event(s, job.id, f"Trainer stopped by {ev.get('signal')} at step {ev.get('step')} "
+                  f"(checkpoint {ev.get('checkpoint_step')})")
+    elif kind == "failed":
+        progress["failure"] = {"reason": ev.get("reason"), "message": ev.get("message")}
+
+
+def _metrics(s: Session, job: FineTuningJob, ev: dict[str, Any], progress: dict[str, Any],
+             changes: dict[str, Any]) -> None:
+    step, total = ev.get("step"), ev.get("total_steps")
+    progress.update({k: ev.get(k) for k in ("step", "total_steps", "loss", "lr", "tokens_per_s",
+                                            "elapsed_s", "epoch")})
+    # trained_tokens = tokens of every distinct step (a resumed attempt redoes a few)
+    if isinstance(step, int) and isinstance(ev.get("tokens"), int) and step > progress.get("counted_step", 0):
+        progress["counted_step"] = step
+        changes["trained_tokens"] = changes.get("trained_tokens", job.trained_tokens or 0) + ev["tokens"]
+    if isinstance(step, int) and isinstance(total, int) and step > 0 and ev.get("elapsed_s"):
+        left = (total - step) * float(ev["elapsed_s"]) / step
+        changes["estimated_finish"] = utcnow() + timedelta(seconds=left)
+    add_event(s, job.id, f"Step {step}/{total}: training loss={ev.get('loss', 0):.4f}",
+              type_="metrics", data={"step": step, "total_steps": total,
+                                     "train_loss": ev.get("loss"),
+                                     "tokens_per_s": ev.get("tokens_per_s")})
