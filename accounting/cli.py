@@ -10,6 +10,7 @@ import click
 from accounting.render import FORMATS, check_format, fairshare_text, usage_text
 from accounting.usage import GROUPINGS, UsageReport, usage_report
 from accounting.window import DATE_HELP, AccountingError, Window, make_window
+from gateway.cliutil import friendly_errors
 
 
 def _fetch_usage(window: Window, by: str, accounts: tuple[str, ...]) -> UsageReport:
@@ -36,8 +37,6 @@ def _window_options(fn):  # type: ignore[no-untyped-def]
 
 def register(admin: click.Group) -> None:
     """Add ``report usage`` and ``report fairshare`` to the ``finetune admin`` group."""
-    from gateway.cli import friendly_errors
-
     @admin.group("report")
     def report() -> None:
         """Usage and fairness reports from sacct/sshare."""

@@ -5,27 +5,14 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
-from functools import wraps
 from pathlib import Path
 from typing import Any
 
 import click
 
+from gateway.cliutil import friendly_errors as friendly_errors  # re-exported: gateway.cli.friendly_errors
 from gateway.config import get_settings
-from gateway.services import ServiceError
 from gateway.slurm import make_runner
-from gateway.slurm.runner import SlurmError
-
-
-def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn our errors into one clear line and exit 1; never a stack trace."""
-    @wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except (SlurmError, ServiceError, ValueError, KeyError) as e:
-            raise click.ClickException(str(e).strip("'\"")) from e
-    return wrapper
 
 
 @click.group()

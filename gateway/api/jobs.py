@@ -10,7 +10,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.access import Policy
 from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep, access
 from gateway.api.fastjson import FastJSON
-from gateway.jobstate import JobState
 from gateway.models import FineTuningJob, JobCheckpoint, JobEvent
 from gateway.services import ServiceError
 from gateway.services import jobs as svc
@@ -127,10 +126,8 @@ def retrieve_job(job_id: str, session: SessionDep, principal: PrincipalDep) -> F
 @router.post("/{job_id}/cancel")
 def cancel_job(job_id: str, request: Request, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
     """``cancelling`` at once; Slurm is told now; ``cancelled`` once Slurm confirms the stop."""
-    job = svc.request_cancel(session=session, principal=principal, job_id=job_id)
-    reconciler = request.app.state.reconciler
-    if reconciler is not None and job.status == JobState.CANCELLING.value:
-        reconciler.start_cancel(job.slurm_job_id)
+    job = svc.cancel_job(session=session, principal=principal, job_id=job_id,
+                         reconciler=request.app.state.reconciler)
     assert principal.tenant_name is not None
     return job_object(job, principal.tenant_name)
 

@@ -6,14 +6,12 @@ from datetime import datetime
 from typing import Any
 
 from fastapi import APIRouter
-from sqlmodel import col, select
 
 from gateway.access import Policy
 from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep, access
 from gateway.models import FineTuningJob
-from gateway.services import NotFound, ServiceError
+from gateway.services import NotFound
 from gateway.services import jobs as jobs_svc
-from gateway.services.jobs import _tenant_id
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
@@ -29,18 +27,17 @@ def _catalog(settings: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _ft_models(session: Any, tenant_id: int, tenant: str) -> list[dict[str, Any]]:
-    rows = session.exec(select(FineTuningJob).where(FineTuningJob.tenant_id == tenant_id,
-                                                    col(FineTuningJob.fine_tuned_model).is_not(None)))
-    return [{"id": j.fine_tuned_model, "object": "model", "created": int(j.finished_at.timestamp())
-             if j.finished_at else 0, "owned_by": tenant, "root": j.model, "job_id": j.id} for j in rows]
+def _ft_model(job: FineTuningJob, tenant: str) -> dict[str, Any]:
+    return {"id": job.fine_tuned_model, "object": "model", "created": int(job.finished_at.timestamp())
+            if job.finished_at else 0, "owned_by": tenant, "root": job.model, "job_id": job.id}
 
 
 @router.get("", dependencies=[access(Policy.AUTHENTICATED)])
 def list_models(session: SessionDep, settings: SettingsDep, principal: PrincipalDep) -> dict[str, Any]:
     data = _catalog(settings)
-    if principal.tenant_id is not None and principal.tenant_name:
-        data += _ft_models(session, principal.tenant_id, principal.tenant_name)
+    if principal.tenant_name:       # tenant tokens: their own fine-tuned models too
+        data += [_ft_model(j, principal.tenant_name)
+                 for j in jobs_svc.fine_tuned_models(session=session, principal=principal)]
     return {"object": "list", "data": data}
 
 
@@ -57,12 +54,5 @@ def retrieve_model(model_id: str, session: SessionDep, settings: SettingsDep,
 def delete_model(model_id: str, session: SessionDep, settings: SettingsDep,
                  principal: PrincipalDep) -> dict[str, Any]:
     """Delete a fine-tuned model: its adapter, checkpoints and staging leave storage."""
-    tid = _tenant_id(principal)
-    job = session.exec(select(FineTuningJob).where(FineTuningJob.tenant_id == tid,
-                                                   FineTuningJob.fine_tuned_model == model_id)).first()
-    if job is None:
-        if any(m["id"] == model_id for m in _catalog(settings)):
-            raise ServiceError("base models are managed by the administrators", code="forbidden")
-        raise NotFound(f"no such model: {model_id}", param="model")
-    jobs_svc.delete_model(session=session, settings=settings, principal=principal, job=job)
+    jobs_svc.delete_fine_tuned_model(session=session, settings=settings, principal=principal, model_id=model_id)
     return {"id": model_id, "object": "model", "deleted": True}

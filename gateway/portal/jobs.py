@@ -164,8 +164,6 @@ def confirm_cancel(job_id: str, request: Request, session: SessionDep, user: Use
 def cancel(job_id: str, request: Request, session: SessionDep, user: UserDep,
            csrf: Annotated[str, Form(max_length=100)] = "") -> Response:
     check_csrf(user.csrf, csrf)
-    job = svc.request_cancel(session=session, principal=user.principal, job_id=job_id)
-    reconciler = request.app.state.reconciler
-    if reconciler is not None and job.status == JobState.CANCELLING.value:
-        reconciler.start_cancel(job.slurm_job_id)
+    job = svc.cancel_job(session=session, principal=user.principal, job_id=job_id,
+                         reconciler=request.app.state.reconciler)
     return RedirectResponse(f"/portal/jobs/{job.id}", status_code=303)

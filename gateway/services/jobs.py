@@ -13,7 +13,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
@@ -387,6 +387,23 @@ def request_cancel(*, session: Session, principal: Principal, job_id: str) -> Fi
     raise Conflict(f"job {job_id} is changing state; retry", code="busy")
 
 
+class CancelStarter(Protocol):
+    """What tells Slurm to stop a job (the reconciler: ``scancel`` in its own thread)."""
+
+    def start_cancel(self, slurm_id: int | None) -> None: ...
+
+
+def cancel_job(*, session: Session, principal: Principal, job_id: str,
+               reconciler: CancelStarter | None) -> FineTuningJob:
+    """``request_cancel`` (committed), then, while the job is cancelling and a reconciler runs,
+    Slurm is told now; the job turns ``cancelled`` once Slurm confirms the stop. Raises as
+    ``request_cancel`` does (NotFound, Conflict)."""
+    job = request_cancel(session=session, principal=principal, job_id=job_id)
+    if reconciler is not None and job.status == JobState.CANCELLING.value:
+        reconciler.start_cancel(job.slurm_job_id)
+    return job
+
+
 def delete_model(*, session: Session, settings: Settings, principal: Principal, job: FineTuningJob) -> None:
     """Delete a fine-tuned model: its result files, checkpoints and staging leave the tenant's
     storage (removed as the tenant, by name beneath its root: a link planted there is removed
@@ -404,3 +421,26 @@ def delete_model(*, session: Session, settings: Settings, principal: Principal, 
     paths += [(*layout.job(job.id), "checkpoints"), (*layout.job(job.id), "attempts")]
     update_fields(session, job, fine_tuned_model=None)
     storage_for(settings).tenant(principal.tenant_name).remove(sorted(set(paths)))
+
+
+def fine_tuned_models(*, session: Session, principal: Principal) -> list[FineTuningJob]:
+    """The caller's jobs that name a fine-tuned model; none for a principal without a tenant."""
+    if principal.tenant_id is None or not principal.tenant_name:
+        return []
+    return list(session.exec(select(FineTuningJob).where(FineTuningJob.tenant_id == principal.tenant_id,
+                                                         col(FineTuningJob.fine_tuned_model).is_not(None))))
+
+
+def delete_fine_tuned_model(*, session: Session, settings: Settings, principal: Principal, model_id: str) -> None:
+    """Delete the tenant's fine-tuned model ``model_id`` (``delete_model``). Raises Forbidden for a
+    principal without a tenant, ServiceError (``forbidden``) for a base model, NotFound otherwise."""
+    from trainer import catalog
+
+    tid = _tenant_id(principal)
+    job = session.exec(select(FineTuningJob).where(FineTuningJob.tenant_id == tid,
+                                                   FineTuningJob.fine_tuned_model == model_id)).first()
+    if job is None:
+        if any(e.name == model_id for e in catalog.list_models(settings.models_root)):
+            raise ServiceError("base models are managed by the administrators", code="forbidden")
+        raise NotFound(f"no such model: {model_id}", param="model")
+    delete_model(session=session, settings=settings, principal=principal, job=job)

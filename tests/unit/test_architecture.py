@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable, Iterable, Iterator
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -74,3 +76,273 @@ def test_no_shell_true_anywhere() -> None:
     bad = [f"{p.relative_to(ROOT)}" for p in _modules() if "shell=True" in p.read_text()]
     assert bad == []
 
+
+# ------------------------------------------------------------------ import graph
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import that can run: module level and inside functions, not ``if TYPE_CHECKING:``."""
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(nodes: Iterable[ast.AST]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                found.append(node)
+            elif isinstance(node, ast.If) and _is_type_checking(node.test):
+                visit(node.orelse)
+            else:
+                visit(ast.iter_child_nodes(node))
+
+    visit(tree.body)
+    return found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imported(node: ast.Import | ast.ImportFrom, package: list[str]) -> list[str]:
+    """The absolute names an import may load: ``import a.b`` → a.b; ``from a import b`` → a.b
+    and a (b may be a module or a name in a); relative ones resolved against ``package``."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    base = node.module or ""
+    if node.level:
+        base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+    return [n for a in node.names for n in (f"{base}.{a.name}", base)]
+
+
+def import_graph(root: Path, packages: list[str]) -> dict[str, dict[str, str]]:
+    """Project module → {project module it imports: "path:line" of the first such import}."""
+    paths = {_module_name(p, root): p for pkg in packages for p in (root / pkg).rglob("*.py")}
+    graph: dict[str, dict[str, str]] = {m: {} for m in paths}
+    for name, path in paths.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in _runtime_imports(ast.parse(path.read_text(), str(path))):
+            names = _imported(node, package)
+            if isinstance(node, ast.ImportFrom):      # a.b when it is a module, else a
+                names = [m if m in paths else base for m, base in zip(names[::2], names[1::2], strict=True)]
+            for target in names:
+                while target and target not in paths:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    graph[name].setdefault(target, f"{path.relative_to(root)}:{node.lineno}")
+    return graph
+
+
+def import_cycles(graph: dict[str, dict[str, str]],
+                  ignored: Iterable[tuple[str, str]] = ()) -> list[list[str]]:
+    """One cycle per strongly connected component of ``graph`` without the ``ignored`` edges,
+    each as ["a (a.py:3)", "b (b.py:7)", "a"]: who imports whom, and where."""
+    skip = set(ignored)
+    edges = {m: sorted(t for t in ts if (m, t) not in skip) for m, ts in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components: list[list[str]] = []
+
+    def strongconnect(v: str) -> None:      # Tarjan
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges[v]:
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while (w := stack.pop()) != v:
+                comp.append(w)
+            components.append([v, *comp])
+
+    for v in sorted(edges):
+        if v not in index:
+            strongconnect(v)
+    cycles = []
+    for comp in sorted(sorted(c) for c in components if len(c) > 1):
+        cycle = _shortest_cycle(comp[0], set(comp), edges)
+        cycles.append([f"{a} ({graph[a][b]})" for a, b in pairwise(cycle)] + [cycle[0]])
+    return cycles
+
+
+def _shortest_cycle(start: str, members: set[str], edges: dict[str, list[str]]) -> list[str]:
+    """[start, ..., start]: the shortest way back to ``start`` inside its component (breadth first)."""
+    parent: dict[str, str] = {}
+    queue = [start]
+    for v in queue:
+        for w in edges[v]:
+            if w == start:
+                path = [v]
+                while path[-1] != start:
+                    path.append(parent[path[-1]])
+                return [*reversed(path), start]
+            if w in members and w not in parent:
+                parent[w] = v
+                queue.append(w)
+    raise AssertionError(f"{start} is on no cycle")
+
+
+# Cycles that are known and left for now, each broken here at the edge that should go
+# (in files outside the change that added this test). Any other cycle fails the test.
+ALLOWED_CYCLE_EDGES = {
+    ("gateway.submission", "gateway.api.app"):
+        "scheduler_for imports slurm_available from the app, which imports the Submitter "
+        "(api.app -> submission -> api.app): slurm_available belongs beside scheduler_for",
+    ("gateway.api.limits", "gateway.api.app"):
+        "BodyLimit imports error_body from the app (api.app -> api.limits -> api.app; also "
+        "api.app -> portal -> portal.web -> api.limits -> api.app): error_body belongs in api/errors.py",
+    ("gateway.storage", "gateway.slurm.admin"):
+        "TenantStorage.has_unix_user imports unix_user_for (slurm.admin -> storage -> slurm.admin): "
+        "the tenant -> unix user name belongs in gateway/storage, imported by slurm.admin",
+    ("gateway.storage.broker", "gateway.slurm.admin"):
+        "the broker's tenant_identity imports unix_user_for (storage -> broker -> slurm.admin -> "
+        "storage), loading the Slurm adapter (gateway.slurm, runner and all) into the root broker: "
+        "the same move fixes it",
+}
+
+
+def test_no_import_cycles() -> None:
+    graph = import_graph(ROOT, PACKAGES)
+    cycles = import_cycles(graph, ignored=ALLOWED_CYCLE_EDGES)
+    assert cycles == [], "import cycles among project modules:\n" + "\n".join(" -> ".join(c) for c in cycles)
+    stale = [f"{a} -> {b}" for a, b in ALLOWED_CYCLE_EDGES if b not in graph.get(a, {})]
+    assert stale == [], "ALLOWED_CYCLE_EDGES names imports that are gone; remove them:\n" + "\n".join(stale)
+
+
+def test_the_rule_itself_catches_an_import_cycle(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg import b\n")
+    (pkg / "b.py").write_text("def f():\n    from . import c\n")                     # function-local
+    (pkg / "c.py").write_text("import os\n\n\ndef g():\n    import pkg.a.x\n")      # a name inside pkg.a
+    (pkg / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.a\n")
+    (pkg / "e.py").write_text("import pkg.d\n")
+    graph = import_graph(tmp_path, ["pkg"])
+    assert import_cycles(graph) == [["pkg.a (pkg/a.py:1)", "pkg.b (pkg/b.py:2)", "pkg.c (pkg/c.py:5)", "pkg.a"]]
+    assert import_cycles(graph, ignored=[("pkg.c", "pkg.a")]) == []
+    assert "pkg.a" not in graph["pkg.d"]                                    # type-only: not a cycle
+
+
+# ------------------------------------------------------------------- front ends
+FRONT_ENDS = ("gateway/api", "gateway/portal")
+SESSION_WRITES = {"add", "add_all", "delete", "commit", "flush", "merge"}
+SQL_WRITES = {"insert", "update", "delete"}
+
+
+def _front_end_modules() -> list[Path]:
+    return [p for d in FRONT_ENDS for p in (ROOT / d).rglob("*.py")]
+
+
+def _functions(tree: ast.Module) -> Iterator[tuple[str, ast.AST]]:
+    """(enclosing top-level function or class name, or "<module>"; node) for every node."""
+    for top in tree.body:
+        name = top.name if isinstance(top, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) \
+            else "<module>"
+        for node in ast.walk(top):
+            yield name, node
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+
+
+def slurm_imports(path: Path) -> list[tuple[str, str]]:
+    """(where, what) for each import of gateway.slurm in ``path``: function-local ones too."""
+    package = list(path.relative_to(ROOT).parts[:-1]) if path.is_relative_to(ROOT) else []
+    found = []
+    for fn, node in _functions(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            mods = [m for m in _imported(node, package) if m == "gateway.slurm" or m.startswith("gateway.slurm.")]
+            if mods:
+                found.append((f"{_rel(path)}:{fn}", f"line {node.lineno} imports {min(mods, key=len)}"))
+    return found
+
+
+def _is_session(node: ast.expr) -> bool:
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return name in ("s", "db", "sess") or name.endswith("session")
+
+
+def session_writes(path: Path) -> list[tuple[str, str]]:
+    """(where, what) for each write through a DB session in ``path``: ``session.add/delete/
+    commit/flush/merge(...)``, ``session.execute/exec(<an insert, update or delete>)``, and a
+    row's optimistic ``version`` set by hand (only ``services.jobs.update_fields`` bumps it)."""
+    found: list[tuple[int, str, str]] = []
+    for fn, node in _functions(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found += [(node.lineno, f"{_rel(path)}:{fn}", f"line {node.lineno} sets {ast.unparse(t)}")
+                      for t in targets if isinstance(t, ast.Attribute) and t.attr == "version"]
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and _is_session(node.func.value)):
+            continue
+        verb = node.func.attr
+        sql = verb in ("execute", "exec") and any(
+            isinstance(n, ast.Call) and (n.func.attr if isinstance(n.func, ast.Attribute)
+                                         else getattr(n.func, "id", "")) in SQL_WRITES
+            for a in node.args for n in ast.walk(a))
+        if verb in SESSION_WRITES or sql:
+            found.append((node.lineno, f"{_rel(path)}:{fn}", f"line {node.lineno} calls {ast.unparse(node.func)}"))
+    return [(where, what) for _, where, what in sorted(found)]
+
+
+# Known and left for now (files outside the change that added these tests): "path:function".
+ALLOWED_SLURM_IMPORTS = {
+    "gateway/api/app.py:slurm_available":
+        "pings Slurm (scontrol ping) for scheduler_for; belongs in gateway/submission.py beside it",
+}
+ALLOWED_SESSION_WRITES = {
+    "gateway/portal/session.py:open_session":
+        "records the PortalSession row at sign-in; belongs in a gateway/services module",
+    "gateway/portal/session.py:close_session":
+        "deletes the PortalSession row at sign-out; belongs in a gateway/services module",
+}
+
+
+Finder = Callable[[Path], list[tuple[str, str]]]
+
+
+def _check_front_ends(find: Finder, allowed: dict[str, str]) -> tuple[list[str], list[str]]:
+    hits = [h for p in _front_end_modules() for h in find(p)]
+    bad = [f"{where}: {what}" for where, what in hits if where not in allowed]
+    stale = sorted(set(allowed) - {where for where, _ in hits})
+    return bad, stale
+
+
+def test_front_ends_do_not_import_the_slurm_adapter() -> None:
+    bad, stale = _check_front_ends(slurm_imports, ALLOWED_SLURM_IMPORTS)
+    assert bad == [], "gateway/api and gateway/portal reach Slurm through gateway/services:\n" + "\n".join(bad)
+    assert stale == [], f"ALLOWED_SLURM_IMPORTS entries no longer needed: {stale}"
+
+
+def test_front_ends_do_not_write_to_the_database() -> None:
+    bad, stale = _check_front_ends(session_writes, ALLOWED_SESSION_WRITES)
+    assert bad == [], "routes write through gateway/services functions (STYLE.md #9):\n" + "\n".join(bad)
+    assert stale == [], f"ALLOWED_SESSION_WRITES entries no longer needed: {stale}"
+
+
+def test_the_rule_itself_catches_a_slurm_import(tmp_path: Path) -> None:
+    sneaky = tmp_path / "route.py"
+    sneaky.write_text("import gateway.slurm\nfrom gateway.services import cluster\n\n\n"
+                      "def page():\n    from gateway.slurm.runner import SlurmError\n\n\n"
+                      "class Page:\n    from gateway import slurm\n")
+    assert slurm_imports(sneaky) == [("route.py:<module>", "line 1 imports gateway.slurm"),
+                                     ("route.py:page", "line 6 imports gateway.slurm.runner"),
+                                     ("route.py:Page", "line 10 imports gateway.slurm")]
+
+
+def test_the_rule_itself_catches_a_session_write(tmp_path: Path) -> None:
+    sneaky = tmp_path / "route.py"
+    sneaky.write_text("import sqlalchemy as sa\n\n\ndef route(session, f, job):\n"
+                      "    session.add(job)\n    session.flush()\n    job.version += 1\n"
+                      "    session.execute(sa.delete(Job).where(Job.id == 1))\n    session.commit()\n"
+                      "    session.exec(sa.select(Job))\n    f.flush()\n    session.get(Job, 1)\n")
+    assert [what for _, what in session_writes(sneaky)] == [
+        "line 5 calls session.add", "line 6 calls session.flush", "line 7 sets job.version",
+        "line 8 calls session.execute", "line 9 calls session.commit"]

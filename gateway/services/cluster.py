@@ -1,0 +1,114 @@
+"""The cluster as the admin pages show it: drained nodes and scrubs, usage and fairshare,
+tenants and QOS tiers.
+
+The front ends hand in the app's scheduler client (``app.state.slurm``) and get plain
+data back; this module is where they meet ``gateway.slurm``, so no route imports it.
+A failed Slurm command becomes ``ClusterError`` carrying the command's own words.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from gateway.config import Settings
+from gateway.services import ServiceError
+from gateway.slurm.runner import SlurmError
+
+if TYPE_CHECKING:
+    from accounting.fairshare import FairshareReport
+    from accounting.usage import UsageReport
+    from gateway.scrub import ScrubReport
+    from gateway.slurm.admin import Tenant
+    from gateway.slurm.policy import QosRow
+    from gateway.slurm.records import DrainedNode
+
+
+class ClusterError(ServiceError):
+    """A Slurm command behind a cluster page failed; the message is the command's own error."""
+
+    status = 502
+    code = "slurm_error"
+
+
+def require_cluster(client: Any) -> Any:
+    """``client`` when it reaches a real Slurm cluster; ServiceError (``no_backend``) when
+    Slurm does not answer (None) or the gateway runs in local mode (a scheduler with no runner)."""
+    if client is None:
+        raise ServiceError("Slurm does not answer from this gateway: the cluster pages are unavailable.",
+                           code="no_backend")
+    if client.runner is None:      # local mode's scheduler: no cluster, accounts or usage to show
+        raise ServiceError("This gateway runs in local mode: there is no Slurm cluster to report on.",
+                           code="no_backend")
+    return client
+
+
+@dataclass(frozen=True)
+class ClusterOverview:
+    nodes: list[DrainedNode]
+    scrubs: dict[str, list[ScrubReport]]
+    error: str | None       # why ``nodes`` is empty when Slurm could not be asked
+
+
+def cluster_overview(client: Any, settings: Settings) -> ClusterOverview:
+    """Drained or down nodes with Slurm's reason (sinfo) and the newest scrub reports per node.
+    Never raises for Slurm: a missing client or a failed sinfo is reported in ``error``."""
+    from gateway.scrub import latest_reports
+
+    nodes: list[DrainedNode] = []
+    error = None
+    if client is None:
+        error = "Slurm does not answer from this gateway."
+    else:
+        try:
+            nodes = client.drained_nodes()
+        except SlurmError as e:
+            error = f"sinfo failed: {e}"
+    return ClusterOverview(nodes=nodes, scrubs=latest_reports(settings.scrub_report_dir, per_node=5),
+                           error=error)
+
+
+@dataclass(frozen=True)
+class UsageOverview:
+    report: UsageReport           # grouped as asked
+    by_tenant: UsageReport        # the same window per tenant (what fairshare compares with)
+    fairshare: FairshareReport
+
+
+def usage_and_fairshare(client: Any, settings: Settings, *, start: str, end: str, by: str) -> UsageOverview:
+    """The usage report (sacct, with the gateway's own facts) over ``start``..``end`` grouped
+    ``by``, and the fairshare report (sshare). Raises AccountingError for a bad grouping or
+    date, ServiceError (``no_backend``) without a cluster, ClusterError when sacct/sshare fail."""
+    from accounting.fairshare import fairshare_report
+    from accounting.gateway_facts import load_gateway_facts
+    from accounting.usage import GROUPINGS, usage_report
+    from accounting.window import AccountingError, make_window
+
+    if by not in GROUPINGS:
+        raise AccountingError(f"group by {by!r} is not a grouping; valid: {', '.join(GROUPINGS)}")
+    window = make_window(start, end)
+    client = require_cluster(client)
+    try:
+        rows = client.sacct(window.start, window.end)
+        now = datetime.now(UTC)
+        facts = load_gateway_facts(settings.database_url, window)
+        rep = usage_report(rows, window, by=by, now=now, facts=facts)
+        by_tenant = rep if by == "tenant" else usage_report(rows, window, by="tenant", now=now, facts=facts)
+        fs = fairshare_report(client.sshare(), by_tenant, parent=settings.parent_account)
+    except SlurmError as e:
+        raise ClusterError(str(e)) from e
+    return UsageOverview(report=rep, by_tenant=by_tenant, fairshare=fs)
+
+
+def tenants_and_qos(client: Any, settings: Settings) -> tuple[list[Tenant], list[QosRow]]:
+    """Tenants (Slurm accounts under the parent account) and the cluster's QOS tiers (sacctmgr).
+    Raises ServiceError (``no_backend``) without a cluster, ClusterError when sacctmgr fails."""
+    from gateway.slurm.admin import Admin
+
+    admin = Admin(require_cluster(client).runner, storage_root=settings.storage_root,
+                  parent_account=settings.parent_account)
+    try:
+        return admin.list_tenants(), admin.show_qos()
+    except SlurmError as e:
+        raise ClusterError(str(e)) from e
