@@ -139,12 +139,27 @@ def judge_leftovers(found: list[procs.Proc], undecided: list[procs.Proc] | None 
     return ok("no leftover tenant process on this node")
 
 
-def step_leftover_processes(s: Scrub) -> Verdict:
-    ps = procs.list_procs(s.cfg.proc_root)
+LEFTOVER_SETTLE_S = 1.0   # a job starting or ending beside this one: its processes finish moving
+
+
+def step_leftover_processes(s: Scrub, settle_s: float = LEFTOVER_SETTLE_S) -> Verdict:
+    """Tenant processes that no live job owns. A process seen so must still be one after
+    ``settle_s`` (same pid and start time): one that slurmstepd of another job on this host is
+    starting (not yet in its job's cgroup) or reaping is in transit, not a leftover."""
     tenants = _tenant_uids(s.cfg.tenant_user_prefix, s.job.uid, s.cfg.service_users)
-    found = procs.leftovers(ps, tenant_uids=tenants, node=s.job.node, job_id=s.job.job_id,
-                            live=procs.live_jobs(ps))
-    return judge_leftovers(found, procs.undecided(ps, tenants))
+
+    def scan() -> tuple[list[procs.Proc], list[procs.Proc]]:
+        ps = procs.list_procs(s.cfg.proc_root)
+        return (procs.leftovers(ps, tenant_uids=tenants, node=s.job.node, job_id=s.job.job_id,
+                                live=procs.live_jobs(ps)), procs.undecided(ps, tenants))
+
+    found, undecided = scan()
+    if found and settle_s > 0:
+        time.sleep(settle_s)
+        again, undecided = scan()
+        first = {(p.pid, p.start) for p in found}
+        found = [p for p in again if (p.pid, p.start) in first]
+    return judge_leftovers(found, undecided)
 
 
 def judge_kill(rounds: list[procs.KillResult], left: list[procs.Proc],

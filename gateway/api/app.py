@@ -13,26 +13,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.access import Policy, undeclared_routes
 from gateway.api.deps import access
+from gateway.api.errors import error_body
 from gateway.config import Settings
 from gateway.db import open_database
 from gateway.services import ServiceError
 
 log = logging.getLogger("gateway.api")
-
-
-def error_body(message: str, *, type_: str, code: str | None, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def slurm_available(runner: Any) -> bool:
-    """Whether Slurm answers (``scontrol ping``) through this runner."""
-    from gateway.slurm.runner import SlurmError
-
-    try:
-        return bool(runner.run(["scontrol", "ping"], timeout=10).returncode == 0)
-    except SlurmError:
-        return False
 
 
 def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bool = True,

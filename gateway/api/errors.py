@@ -7,6 +7,11 @@ from typing import Any
 from pydantic import BaseModel
 
 
+def error_body(message: str, *, type_: str, code: str | None, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str

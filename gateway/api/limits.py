@@ -38,7 +38,7 @@ class BodyLimit:
         if max_bytes < 1:
             raise ValueError(f"max_json_bytes must be positive, got {max_bytes}")
         self.app, self.max_bytes, self.upload_paths = app, max_bytes, upload_paths
-        from gateway.api.app import error_body
+        from gateway.api.errors import error_body
 
         body = json.dumps(error_body(
             f"the request body is over the {max_bytes}-byte limit for JSON and form requests "

@@ -22,17 +22,17 @@ import os
 import secrets
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import sqlalchemy as sa
 from fastapi import Request
-from sqlmodel import Session, col
+from sqlmodel import Session
 
 from gateway.config import Settings
 from gateway.models import ApiToken, PortalSession, Role, Tenant
 from gateway.services import Forbidden, ServiceError
+from gateway.services.portal_sessions import end_session, record_session
 from gateway.services.tokens import Principal
 
 COOKIE = "sft_portal"
@@ -156,10 +156,7 @@ def open_session(session: Session, key: bytes, token: ApiToken) -> str:
     sid = secrets.token_urlsafe(32)
     now = datetime.now(UTC)
     exp = int(now.timestamp()) + SESSION_S
-    session.execute(sa.delete(PortalSession).where(col(PortalSession.expires_at) < now))
-    session.add(PortalSession(id_hash=_sid_hash(sid), token_id=token.id, created_at=now,
-                              expires_at=now + timedelta(seconds=SESSION_S)))
-    session.commit()
+    record_session(session, id_hash=_sid_hash(sid), token_id=token.id, now=now, ttl_s=SESSION_S)
     return sign(key, {"sid": sid, "tid": token.id, "th": token.token_hash[:16],
                       "csrf": secrets.token_urlsafe(24), "exp": exp})
 
@@ -168,8 +165,7 @@ def close_session(session: Session, payload: dict[str, Any]) -> None:
     """End the session of a (verified) cookie payload: its cookie is refused from now on."""
     sid = payload.get("sid")
     if isinstance(sid, str):
-        session.execute(sa.delete(PortalSession).where(col(PortalSession.id_hash) == _sid_hash(sid)))
-        session.commit()
+        end_session(session, id_hash=_sid_hash(sid))
 
 
 def new_login_cookie(key: bytes) -> tuple[str, str]:

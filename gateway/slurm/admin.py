@@ -17,6 +17,7 @@ from gateway.slurm.policy import QOS_SHOW_FORMAT, QosChange, QosRow, QosTier, di
 from gateway.slurm.records import gpu_count
 from gateway.slurm.runner import CommandResult, Runner, SlurmCommandError
 from gateway.slurm.validate import validate_qos_name, validate_tenant_name
+from gateway.storage.layout import unix_user_for
 
 ORGANIZATION = "slurm-finetune"
 _QUIET_NOOPS = ("Nothing new added", "Nothing modified", "Nothing to modify")
@@ -40,11 +41,6 @@ def _valid_unix_user(user: str) -> str:
     if not isinstance(user, str) or not _UNIX_USER.fullmatch(user):
         raise ValueError(f"not a unix user name: {user!r}")
     return user
-
-
-def unix_user_for(tenant: str) -> str:
-    """The unix user (and group) that owns a tenant's files and runs its jobs."""
-    return f"sft-{validate_tenant_name(tenant)}"
 
 
 class Admin:

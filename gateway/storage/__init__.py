@@ -90,15 +90,13 @@ class Storage:
         return TenantStorage(self, layout.tenant_name(name))
 
     def has_unix_user(self, tenant: str) -> bool:
-        from gateway.slurm.admin import unix_user_for
-
         now = time.monotonic()
         with self._lock:
             hit = self._users.get(tenant)
             if hit and now - hit[0] < 30:
                 return hit[1]
         try:
-            pwd.getpwnam(unix_user_for(tenant))
+            pwd.getpwnam(layout.unix_user_for(tenant))
         except KeyError:
             return False        # not cached: a tenant onboarded a moment later goes through the broker
         with self._lock:

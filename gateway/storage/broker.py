@@ -92,11 +92,8 @@ def recv_msg(sock: socket.socket) -> tuple[dict[str, Any], list[int], list[bytes
 def tenant_identity(tenant: str) -> pwd.struct_passwd:
     """The tenant's unix user, derived here (``sft-<tenant>``), never root. Which directory it may
     act on is settled after the switch: the tenant root must be owned by that uid."""
-    from gateway.slurm.admin import unix_user_for
-
-    layout.tenant_name(tenant)
     try:
-        pw = pwd.getpwnam(unix_user_for(tenant))
+        pw = pwd.getpwnam(layout.unix_user_for(tenant))
     except KeyError:
         raise BrokerError(f"tenant {tenant} has no unix user on this host", code="no_unix_user") from None
     if pw.pw_uid == 0 or pw.pw_gid == 0:
@@ -264,8 +261,7 @@ def serve(socket_path: Path, allowed_uids: set[int]) -> None:
     service_uid = max(allowed_uids - {0}, default=0)
     os.chown(socket_path, service_uid, -1)
     srv.listen(128)
-    import gateway.slurm.admin  # noqa: F401 - imported while root: children may not read the code after the drop
-    import gateway.slurm.runner  # noqa: F401
+    import gateway.slurm.runner  # noqa: F401 - imported while root: children may not read the code after the drop
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)    # children are reaped by the kernel
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(f"storage broker: listening on {socket_path} for uids {sorted(allowed_uids)}", flush=True)

@@ -50,6 +50,11 @@ def tenant_name(name: object) -> str:
     return _match(TENANT_NAME, name, "tenant name")
 
 
+def unix_user_for(tenant: str) -> str:
+    """The unix user (and group) that owns a tenant's files and runs its jobs."""
+    return f"sft-{tenant_name(tenant)}"
+
+
 def tenant_root(storage_root: Path, tenant: str) -> Path:
     """Absolute tenant root: for the trainer's spec and the onboarding code only."""
     return storage_root / "tenants" / tenant_name(tenant)
