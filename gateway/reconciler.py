@@ -24,7 +24,7 @@ from sqlmodel import Session, col, select
 
 from gateway.config import Settings
 from gateway.jobstate import Action, Event, FailReason, JobState, decide, from_slurm
-from gateway.models import DataFile, FineTuningJob, Role, Tenant, utcnow
+from gateway.models import FineTuningJob, Tenant, utcnow
 from gateway.scrub import ScrubReportError, read_report, report_path
 from gateway.services import ServiceError
 from gateway.services import jobs as job_service
@@ -32,7 +32,7 @@ from gateway.services.jobs import StaleJob, add_event, apply_event, update_field
 from gateway.services.progress import ingest_events, trainer_failure
 from gateway.services.publication import fine_tuned_model_name as fine_tuned_model_name  # re-exported
 from gateway.services.publication import publish_attempt
-from gateway.services.tokens import Principal
+from gateway.services.recovery import resubmittable_spec
 from gateway.slurm.client import JobStatus, SlurmClient
 from gateway.slurm.runner import SlurmError
 from gateway.storage import storage_for
@@ -158,7 +158,8 @@ class Reconciler:
                 if job.id in found:
                     apply_event(s, job, Event.SUBMITTED, message=f"Recovered: Slurm job {found[job.id]} "
                                 "was submitted before the gateway restarted", slurm_job_id=found[job.id])
-                elif self.submitter is not None and (spec := self._saved_spec(s, job, tenant)) is not None:
+                elif self.submitter is not None and (spec := resubmittable_spec(
+                        session=s, settings=self.settings, storage=self.storage, job=job, tenant=tenant)) is not None:
                     add_event(s, job.id, "Submitting again: the gateway stopped before Slurm had the job")
                     job_service.submit_job(session=s, job=job, spec=spec, tenant=tenant.name, submit=self.submitter)
                 else:
@@ -169,35 +170,6 @@ class Reconciler:
                 s.commit()
             except StaleJob:
                 s.rollback()
-
-    def _saved_spec(self, s: Session, job: FineTuningJob, tenant: Tenant) -> dict[str, Any] | None:
-        """The spec to submit again, rebuilt from the job's row (the gateway's record); None if the
-        job can no longer run. A spec.json left in tenant storage is untrusted (the tenant can
-        rewrite it): it is parsed, validated and compared, and a mismatch is logged, never used."""
-        spec = self._rebuilt_spec(s, job, tenant)
-        if spec is not None:
-            try:
-                saved = self.storage.tenant(tenant.name).read_spec(job.id)
-            except ServiceError:
-                saved = None
-            if saved is not None and not job_service.saved_spec_matches(saved, spec):
-                log.warning("job %s: the spec.json in tenant storage differs from the gateway's "
-                            "record; submitting the recorded spec", job.id)
-        return spec
-
-    def _rebuilt_spec(self, s: Session, job: FineTuningJob, tenant: Tenant) -> dict[str, Any] | None:
-        train = s.get(DataFile, job.training_file)
-        val = s.get(DataFile, job.validation_file) if job.validation_file else None
-        if train is None or train.deleted_at is not None or (val is not None and val.deleted_at is not None):
-            return None
-        owner = Principal(0, Role.MEMBER, tenant.id, tenant.name, tenant.unix_user)
-        try:
-            entry = job_service._catalog_entry(self.settings, job.model)
-            if job.model_digest and entry.digest != job.model_digest:
-                return None
-            return job_service.job_spec(self.settings, owner, job, train, val, entry)
-        except ServiceError:
-            return None
 
     # ------------------------------------------------------------- per job
     def _one(self, s: Session, job: FineTuningJob, tenant: Tenant, st: JobStatus, events: bytes) -> bool:

@@ -1,0 +1,54 @@
+"""Submitting again a job whose submission was interrupted (the gateway died between its
+commit and sbatch): the spec comes from the gateway's own record, never from tenant storage.
+
+Imports the models, the job services and storage; used by the reconciler's recovery step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from sqlmodel import Session
+
+from gateway.config import Settings
+from gateway.models import DataFile, FineTuningJob, Role, Tenant
+from gateway.services import ServiceError
+from gateway.services import jobs as job_service
+from gateway.services.tokens import Principal
+from gateway.storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+def resubmittable_spec(*, session: Session, settings: Settings, storage: Storage, job: FineTuningJob,
+                       tenant: Tenant) -> dict[str, Any] | None:
+    """The spec to submit again, rebuilt from the job's row; None if the job can no longer run
+    (a file deleted, the base model gone or changed). A spec.json left in tenant storage is
+    untrusted (the tenant can rewrite it): it is parsed, validated and compared, and a mismatch
+    is logged, never used."""
+    spec = _rebuilt_spec(session, settings, job, tenant)
+    if spec is not None:
+        try:
+            saved = storage.tenant(tenant.name).read_spec(job.id)
+        except ServiceError:
+            saved = None
+        if saved is not None and not job_service.saved_spec_matches(saved, spec):
+            log.warning("job %s: the spec.json in tenant storage differs from the gateway's "
+                        "record; submitting the recorded spec", job.id)
+    return spec
+
+
+def _rebuilt_spec(session: Session, settings: Settings, job: FineTuningJob, tenant: Tenant) -> dict[str, Any] | None:
+    train = session.get(DataFile, job.training_file)
+    val = session.get(DataFile, job.validation_file) if job.validation_file else None
+    if train is None or train.deleted_at is not None or (val is not None and val.deleted_at is not None):
+        return None
+    owner = Principal(0, Role.MEMBER, tenant.id, tenant.name, tenant.unix_user)
+    try:
+        entry = job_service._catalog_entry(settings, job.model)   # looked up at call time (tests patch it)
+        if job.model_digest and entry.digest != job.model_digest:
+            return None
+        return job_service.job_spec(settings, owner, job, train, val, entry)
+    except ServiceError:
+        return None
