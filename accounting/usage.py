@@ -25,6 +25,7 @@ from datetime import UTC, date, datetime, timedelta
 
 from accounting.gateway_facts import NOT_AVAILABLE, GatewayFacts
 from accounting.window import AccountingError, Window
+from gateway.jobstate import SlurmState
 from gateway.slurm.records import AcctRecord
 
 GROUPINGS = ("tenant", "user", "qos", "day")
@@ -160,7 +161,7 @@ def final_runs(records: Iterable[AcctRecord]) -> list[AcctRecord]:
     by_job: dict[str, AcctRecord] = {}
     for r in records:
         have = by_job.get(r.job_id)
-        if have is None or have.state == "REQUEUED" or r.state != "REQUEUED":
+        if have is None or have.state == SlurmState.REQUEUED or r.state != SlurmState.REQUEUED:
             by_job[r.job_id] = r
     return list(by_job.values())
 
@@ -209,7 +210,7 @@ def usage_report(records: Sequence[AcctRecord], window: Window, *, by: str = "te
         if r.end is None or not window.start <= r.end < window.end:
             continue
         for a in both(key_at(r, r.end)):
-            if r.state == "REQUEUED":
+            if r.state == SlurmState.REQUEUED:
                 a.requeues += 1
             elif r.ran and r.elapsed_s is not None:
                 a.runs.append(float(r.elapsed_s))

@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from gateway.config import Settings
+from gateway.jobstate import TERMINAL, JobState
 from gateway.services.jobs import job_dir
 from gateway.storage import layout
 
@@ -236,14 +237,14 @@ def run_demo(settings: Settings, echo: Callable[[str], None] = print, *, tiny: b
     echo(f"[5/7] job {job['id']} -> {'local' if settings.local else 'Slurm'} job {job['slurm_job_id']} {where}")
     last = ""
     t_job = time.monotonic()
-    while job["status"] not in ("succeeded", "failed", "cancelled"):
+    while job["status"] not in TERMINAL:
         time.sleep(1)
         job = client.get(f"/v1/fine_tuning/jobs/{job['id']}").json()
         line = progress_line(job)
         if line.split("  ETA")[0] != last:      # a new phase or step, not just a clock tick
             echo(f"      {line}")
             last = line.split("  ETA")[0]
-    if job["status"] != "succeeded":
+    if job["status"] != JobState.SUCCEEDED:
         echo(f"[6/7] FAILED: {job['status']}: {(job.get('error') or {}).get('message')}")
         server.stop()
         return 1

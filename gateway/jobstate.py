@@ -112,9 +112,41 @@ _EXIT_REASONS = {65: (FailReason.USER_ERROR, "the dataset or job spec was reject
                  78: (FailReason.USER_ERROR, "the base model is missing or does not match its digest"),
                  143: (FailReason.INTERNAL, "the trainer was stopped by a signal")}
 
-_PENDING = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "RESV_DEL_HOLD",
-            "SPECIAL_EXIT", "SUSPENDED", "STOPPED", "RESIZING"}
-_RUNNING = {"RUNNING", "COMPLETING", "SIGNALING", "STAGE_OUT"}
+class SlurmState(StrEnum):
+    """Slurm's job state words (squeue %T, sacct State) that the gateway reasons about."""
+
+    PENDING = "PENDING"
+    CONFIGURING = "CONFIGURING"
+    RUNNING = "RUNNING"
+    COMPLETING = "COMPLETING"
+    SUSPENDED = "SUSPENDED"
+    STOPPED = "STOPPED"
+    SIGNALING = "SIGNALING"
+    STAGE_OUT = "STAGE_OUT"
+    RESIZING = "RESIZING"
+    REQUEUED = "REQUEUED"
+    REQUEUE_FED = "REQUEUE_FED"
+    REQUEUE_HOLD = "REQUEUE_HOLD"
+    RESV_DEL_HOLD = "RESV_DEL_HOLD"
+    SPECIAL_EXIT = "SPECIAL_EXIT"
+    COMPLETED = "COMPLETED"
+    CANCELLED = "CANCELLED"
+    FAILED = "FAILED"
+    TIMEOUT = "TIMEOUT"
+    NODE_FAIL = "NODE_FAIL"
+    BOOT_FAIL = "BOOT_FAIL"
+    OUT_OF_MEMORY = "OUT_OF_MEMORY"
+    DEADLINE = "DEADLINE"
+    PREEMPTED = "PREEMPTED"
+    REVOKED = "REVOKED"
+
+
+S = SlurmState
+_PENDING = {S.PENDING, S.REQUEUED, S.REQUEUE_HOLD, S.REQUEUE_FED, S.CONFIGURING, S.RESV_DEL_HOLD,
+            S.SPECIAL_EXIT, S.SUSPENDED, S.STOPPED, S.RESIZING}
+_RUNNING = {S.RUNNING, S.COMPLETING, S.SIGNALING, S.STAGE_OUT}
+# States in which a job may still own processes on a node (the cancel and scrub paths wait them out).
+SLURM_ACTIVE = frozenset(_PENDING | _RUNNING)
 
 
 def from_slurm(state: str | None, exit_code: int | None = None, *, was_running: bool = False) -> SlurmView:
@@ -131,22 +163,22 @@ def from_slurm(state: str | None, exit_code: int | None = None, *, was_running: 
         return SlurmView(Event.REQUEUED if was_running else None)
     if s in _RUNNING:
         return SlurmView(Event.STARTED)
-    if s == "COMPLETED":
+    if s == S.COMPLETED:
         return SlurmView(Event.COMPLETED)
-    if s == "TIMEOUT":
+    if s == S.TIMEOUT:
         return SlurmView(Event.ERROR, FailReason.TIMEOUT,
                          "the job reached its time limit; it was checkpointed and requeued as long as "
                          "requeues were left: ask for more time or fewer epochs")
-    if s in ("NODE_FAIL", "BOOT_FAIL"):
+    if s in (S.NODE_FAIL, S.BOOT_FAIL):
         return SlurmView(Event.ERROR, FailReason.NODE_FAIL,
                          "the compute node failed; submit the job again")
-    if s == "OUT_OF_MEMORY":
+    if s == S.OUT_OF_MEMORY:
         return SlurmView(Event.ERROR, FailReason.OOM,
                          "the job ran out of memory: lower batch_size_tokens or max_seq_len")
-    if s == "CANCELLED":
+    if s == S.CANCELLED:
         return SlurmView(Event.STOPPED, FailReason.INTERNAL,
                          "the job was cancelled outside the gateway (by an administrator)")
-    if s in ("FAILED", "DEADLINE", "PREEMPTED", "REVOKED"):
+    if s in (S.FAILED, S.DEADLINE, S.PREEMPTED, S.REVOKED):
         reason, msg = _EXIT_REASONS.get(exit_code or -1, (FailReason.INTERNAL,
                                                           f"the job failed (Slurm state {s}, exit {exit_code})"))
         return SlurmView(Event.ERROR, reason, msg)

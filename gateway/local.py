@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config import Settings
+from gateway.jobstate import SlurmState as S
 from gateway.slurm import records as rec
 from gateway.slurm.client import CancelResult, JobStatus
 from gateway.slurm.render import JobScript
@@ -225,23 +226,23 @@ class LocalScheduler:
         if meta is None:
             return JobStatus(jid, None, None, "missing")
         job = self._jobs.get(jid)
-        if job is not None and job.state != "RUNNING":
+        if job is not None and job.state != "RUNNING":   # submitit's own word for a live LocalJob
             self._jobs.pop(jid, None)         # reaped by submitit's poll
         done = _read_json(folder / "exit.json")
         cancelled = (folder / "cancel").exists()
         if done is None and self._alive(folder / "pid"):
-            q = rec.QueueRecord(jid, "RUNNING", None, self._user(), str(meta.get("account")), QOS,
+            q = rec.QueueRecord(jid, S.RUNNING, None, self._user(), str(meta.get("account")), QOS,
                                 _iso(meta.get("submit")), _iso(meta.get("submit")), NODE, str(meta.get("name")), 0)
-            return JobStatus(jid, "RUNNING", None, "squeue", queue=q)
+            return JobStatus(jid, S.RUNNING, None, "squeue", queue=q)
         rc = done.get("rc") if done else None
         if cancelled:
-            state = "CANCELLED"
+            state = S.CANCELLED
         elif rc == 0:
-            state = "COMPLETED"
+            state = S.COMPLETED
         elif rc == TIMEOUT_EXIT:
-            state = "TIMEOUT"
+            state = S.TIMEOUT
         else:
-            state = "FAILED"
+            state = S.FAILED
         code = (rc, 0) if isinstance(rc, int) and rc >= 0 else (0, -rc if isinstance(rc, int) else 9)
         reason = None if done else "the job's processes ended without an exit status"
         a = rec.AcctRecord(str(jid), jid, str(meta.get("name")), self._user(), str(meta.get("account")), QOS,

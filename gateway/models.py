@@ -14,6 +14,8 @@ import sqlalchemy as sa
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
 
+from gateway.jobstate import JobState
+
 
 class UTCDateTime(TypeDecorator[datetime]):
     """A DateTime that refuses naive input and returns aware UTC values."""
@@ -118,7 +120,7 @@ class FineTuningJob(SQLModel, table=True):
 
     id: str = Field(default_factory=lambda: new_id("ftjob"), primary_key=True, max_length=40)
     tenant_id: int = Field(foreign_key="tenants.id", index=True)
-    status: str = Field(default="validating_files", max_length=24, index=True)
+    status: str = Field(default=JobState.VALIDATING_FILES.value, max_length=24, index=True)
     training_file: str = Field(foreign_key="files.id", max_length=40)
     validation_file: str | None = Field(default=None, foreign_key="files.id", max_length=40)
     model: str = Field(max_length=100)

@@ -16,6 +16,8 @@ import click
 import httpx
 
 from gateway.config import get_settings
+from gateway.jobstate import TERMINAL as TERMINAL_STATES
+from gateway.jobstate import JobState
 
 
 def _credentials_path() -> Path:
@@ -176,7 +178,7 @@ def rm(file_id: str, as_json: bool) -> None:
 
 
 # ------------------------------------------------------------------------- jobs
-TERMINAL = ("succeeded", "failed", "cancelled")
+TERMINAL = tuple(s.value for s in JobState if s in TERMINAL_STATES)
 
 
 def _echo_json(obj: Any) -> None:
@@ -257,7 +259,7 @@ def list_jobs(limit: int, after: str | None, as_json: bool) -> None:
     if not page["data"]:
         click.echo("no jobs yet: `finetune jobs create --training-file FILE_ID --model MODEL`")
     for j in page["data"]:
-        phase = f"/{j['phase']}" if j.get("phase") and j["status"] == "running" else ""
+        phase = f"/{j['phase']}" if j.get("phase") and j["status"] == JobState.RUNNING else ""
         click.echo(f"{j['id']}  {_when(j['created_at'])}  {j['status'] + phase:<20} {j['model']:<14} "
                    f"{j.get('fine_tuned_model') or ''}")
     if page.get("has_more") and page["data"]:
@@ -267,7 +269,7 @@ def list_jobs(limit: int, after: str | None, as_json: bool) -> None:
 def progress_line(job: dict[str, Any], now: float | None = None) -> str:
     """One line: status/phase, step/total, loss, tokens/s, ETA (from estimated_finish)."""
     p = job.get("progress") or {}
-    parts = [job["status"] + (f"/{job['phase']}" if job.get("phase") and job["status"] == "running" else "")]
+    parts = [job["status"] + (f"/{job['phase']}" if job.get("phase") and job["status"] == JobState.RUNNING else "")]
     if p.get("step") is not None and p.get("total_steps"):
         parts.append(f"step {p['step']}/{p['total_steps']} ({100 * p['step'] // max(1, p['total_steps'])}%)")
     if isinstance(p.get("loss"), int | float):
@@ -394,14 +396,14 @@ def follow(job_id: str, interval: float, as_json: bool) -> None:
 def _finish(job: dict[str, Any], as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(job))
-    elif job["status"] == "succeeded":
+    elif job["status"] == JobState.SUCCEEDED:
         click.echo(f"succeeded: {job['fine_tuned_model']}\n"
                    f"  download: finetune artifacts download {job['id']} --extract")
     elif job.get("error"):
         click.echo(f"{job['status']}: [{job['error'].get('code')}] {job['error'].get('message')}", err=True)
     else:
         click.echo(job["status"], err=True)
-    if job["status"] != "succeeded":
+    if job["status"] != JobState.SUCCEEDED:
         raise SystemExit(1)
 
 
@@ -417,7 +419,7 @@ def cancel(job_id: str, wait: bool, as_json: bool) -> None:
         obj = call("GET", f"/v1/fine_tuning/jobs/{job_id}").json()
     if as_json:
         _echo_json(obj)
-    elif obj["status"] == "cancelled":
+    elif obj["status"] == JobState.CANCELLED:
         click.echo(f"{job_id}: cancelled")
     else:
         click.echo(f"{job_id}: {obj['status']} (Slurm is stopping it; `finetune jobs show {job_id}`)")

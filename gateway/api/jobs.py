@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.access import Policy
 from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep, access
 from gateway.api.fastjson import FastJSON
+from gateway.jobstate import JobState
 from gateway.models import FineTuningJob, JobCheckpoint, JobEvent
 from gateway.services import ServiceError
 from gateway.services import jobs as svc
@@ -66,7 +67,7 @@ def job_object(job: FineTuningJob, tenant: str) -> dict[str, Any]:
         "validation_file": job.validation_file, "training_file": job.training_file,
         "hyperparameters": openai_hp, "trained_tokens": job.trained_tokens, "error": error,
         "user_provided_suffix": job.suffix, "seed": job.seed if job.seed is not None else hp.get("seed", 0),
-        "estimated_finish": _ts(job.estimated_finish) if job.status in ("queued", "running") else None,
+        "estimated_finish": _ts(job.estimated_finish) if job.status in (JobState.QUEUED, JobState.RUNNING) else None,
         "integrations": [], "metadata": job.meta,
         "method": {"type": "supervised", "supervised": {"hyperparameters": {**openai_hp, **hp}}},
         # ours

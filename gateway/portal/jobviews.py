@@ -5,13 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
-from gateway.jobstate import ACTIVE
+from gateway.jobstate import ACTIVE, JobState
 from gateway.models import FineTuningJob, JobEvent
 from gateway.services.jobs import BASE_LEARNING_RATE, DEFAULT_EPOCHS, JobRequest
 
 ACTIVE_STATES = frozenset(s.value for s in ACTIVE)
-BADGES = {"validating_files": "wait", "queued": "wait", "running": "run", "publishing": "run",
-          "cancelling": "warn", "succeeded": "ok", "cancelled": "muted", "failed": "bad"}
+BADGES: dict[str, str] = {JobState.VALIDATING_FILES: "wait", JobState.QUEUED: "wait",
+                          JobState.RUNNING: "run",
+                          JobState.PUBLISHING: "run", JobState.CANCELLING: "warn", JobState.SUCCEEDED: "ok",
+                          JobState.CANCELLED: "muted", JobState.FAILED: "bad"}
 
 
 def badge(status: str | None) -> str:
@@ -105,7 +107,7 @@ def progress_view(job: FineTuningJob) -> dict[str, Any]:
     pct = None
     if isinstance(step, int) and isinstance(total, int) and total > 0:
         pct = min(100, round(100 * step / total))
-    if job.status == "succeeded":
+    if job.status == JobState.SUCCEEDED:
         pct = 100
     return {"step": step, "total": total, "pct": pct, "loss": p.get("loss"),
             "tokens_per_s": p.get("tokens_per_s"), "epoch": p.get("epoch")}

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from sqlmodel import Session, col, select
 
 from gateway.config import Settings
+from gateway.jobstate import ACTIVE, JobState
 from gateway.models import DataFile, FileStatus, FineTuningJob, utcnow
 from gateway.services import Conflict, Forbidden, NotFound
 from gateway.services.tokens import Principal
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from gateway.uploads import Upload
 
 log = logging.getLogger(__name__)
-ACTIVE_JOB_STATES = ("validating_files", "queued", "running", "publishing", "cancelling")
+ACTIVE_JOB_STATES = tuple(s.value for s in JobState if s in ACTIVE)
 
 
 def _tenant(principal: Principal) -> tuple[int, str]:

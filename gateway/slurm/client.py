@@ -18,17 +18,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from gateway.jobstate import SLURM_ACTIVE
+from gateway.jobstate import SlurmState as S
 from gateway.slurm import records as rec
 from gateway.slurm.render import JobScript, render_sbatch
 from gateway.slurm.runner import DEFAULT_TIMEOUT_S, CommandResult, Runner, SlurmCommandError
 from gateway.slurm.validate import validate_unix_name
 
-# States in which a job may still own processes on a node.
-ACTIVE_STATES = frozenset({
-    "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED",
-    "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED",
-    "RESV_DEL_HOLD", "SPECIAL_EXIT",
-})
+ACTIVE_STATES = SLURM_ACTIVE    # states in which a job may still own processes on a node
 
 
 @dataclass(frozen=True)
@@ -126,7 +123,7 @@ class SlurmClient:
         jid = str(int(job_id))
         start = time.monotonic()
         status = self.states([job_id])[job_id]
-        if status.state in ("RUNNING", "SUSPENDED", "CONFIGURING"):
+        if status.state in (S.RUNNING, S.SUSPENDED, S.CONFIGURING):
             res = self._run(["scancel", "--signal=USR2", "--batch", jid])
             if res.returncode != 0:  # ended or not yet started meanwhile
                 self._run(["scancel", jid])
@@ -139,13 +136,13 @@ class SlurmClient:
             if not status.active:
                 return CancelResult(job_id, time.monotonic() - start, escalated, status.state)
             elapsed = time.monotonic() - start
-            if status.state in ("RUNNING", "CONFIGURING") and not escalated \
+            if status.state in (S.RUNNING, S.CONFIGURING) and not escalated \
                     and time.monotonic() - last_term >= 1.0:
                 # A job still in its prolog drops signals: repeat the cancel signal
                 # (harmless: the trainer only sets a flag) until the deadline.
                 self._run(["scancel", "--signal=USR2", "--batch", jid])
                 last_term = time.monotonic()
-            elif status.state == "PENDING":
+            elif status.state == S.PENDING:
                 self._run(["scancel", jid])  # requeued meanwhile: nothing to signal
             if not escalated and elapsed >= deadline_s:
                 # KILL to the batch step: its cgroup takes every process with it.

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+from gateway.jobstate import SlurmState
 from gateway.slurm.runner import SlurmError
 
 # ASCII unit separator: cannot occur in account, user, QOS or job names.
@@ -168,7 +169,7 @@ class QueueRecord:
 
     @property
     def pending_reason(self) -> str | None:
-        return self.reason if self.state == "PENDING" else None
+        return self.reason if self.state == SlurmState.PENDING else None
 
 
 SQUEUE_FIELDS: tuple[Field, ...] = (

@@ -324,3 +324,54 @@ def test_the_rule_itself_catches_a_session_write(tmp_path: Path) -> None:
     assert [what for _, what in session_writes(sneaky)] == [
         "line 5 calls session.add", "line 6 calls session.flush", "line 7 sets job.version",
         "line 8 calls session.execute", "line 9 calls session.commit"]
+
+
+# ----------------------------------------------------------------- state names
+def _state_words() -> set[str]:
+    from gateway.jobstate import JobState, SlurmState
+
+    return {s.value for s in JobState} | {s.value for s in SlurmState}
+
+
+# The same word in another vocabulary, or a module that plays Slurm: "path:word" -> why.
+ALLOWED_STATE_WORDS = {
+    "gateway/services/progress.py:failed": "a trainer event type (events.jsonl), not a job state",
+    "gateway/reconciler.py:failed": "a node-cleanup outcome (pending | confirmed | failed | off)",
+    "gateway/storage/__init__.py:failed": "the fallback text of a broker error",
+    "gateway/local.py:RUNNING": "submitit's own LocalJob.state word, not Slurm's",
+}
+PLAYS_SLURM = {"gateway/jobstate.py", "gateway/slurm/fake.py"}   # the vocabulary itself; the argv fake
+
+
+def state_word_literals(path: Path, words: set[str]) -> list[tuple[str, int, str]]:
+    """(word, line, kind) of every string constant in ``path`` that is a job or Slurm state name."""
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+                  and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    return [(n.value, n.lineno, "literal") for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in words
+            and id(n) not in docstrings]
+
+
+def test_state_names_are_spelled_only_in_jobstate() -> None:
+    words = _state_words()
+    bad, used = [], set()
+    for path in _modules():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in PLAYS_SLURM or rel.startswith("gateway/migrations/") or rel.startswith(("trainer/", "scrubber/")):
+            continue
+        for word, line, _ in state_word_literals(path, words):
+            key = f"{rel}:{word}"
+            if key in ALLOWED_STATE_WORDS:
+                used.add(key)
+            else:
+                bad.append(f"{rel}:{line} spells {word!r}: use gateway.jobstate (JobState / SlurmState)")
+    assert bad == [], "state names outside gateway/jobstate.py:\n" + "\n".join(bad)
+    assert used == set(ALLOWED_STATE_WORDS), f"stale ALLOWED_STATE_WORDS: {set(ALLOWED_STATE_WORDS) - used}"
+
+
+def test_the_state_name_rule_catches_a_literal(tmp_path: Path) -> None:
+    sneaky = tmp_path / "x.py"
+    sneaky.write_text('"""Docstring mentions running."""\nif job.status == "running" or st == "PENDING":\n    pass\n')
+    assert [w for w, _, _ in state_word_literals(sneaky, _state_words())] == ["running", "PENDING"]
