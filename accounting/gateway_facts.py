@@ -1,11 +1,11 @@
 """Facts only the gateway knows: cancellations (with their stop latency) and scrub failures.
 
-This is a SEAM. The gateway DB that will record them (a cancel request time
-per job, the time Slurm confirmed the stop, and the epilog's scrub reports)
-does not exist yet, so ``load_gateway_facts`` returns None and reports say
-"not available" instead of a misleading zero. When the DB lands, implement
-``load_gateway_facts`` with one query per table over the window; the report
-code (``accounting.usage``) already consumes these typed rows.
+Read from the gateway's database (``fine_tuning_jobs``): a cancellation is a job with a
+``cancel_requested_at`` in the window (and ``stop_confirmed_at`` once Slurm confirmed no
+process was left); a scrub failure is a job whose node cleanup the epilog reported failed
+(``cleanup = 'failed'``; the node drained). When the database cannot be read (another host,
+no permission) ``load_gateway_facts`` returns None and reports say "not available" instead
+of a misleading zero. Read-only: one query per kind of fact over the window.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from datetime import datetime
 
 from accounting.window import Window
 
-NOT_AVAILABLE = "gateway DB not available yet: cancellations and scrub failures are not reported"
+NOT_AVAILABLE = ("gateway DB not available here (missing or unreadable): cancellations and scrub failures "
+                 "are not reported")
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,42 @@ class GatewayFacts:
 
 
 def load_gateway_facts(database_url: str, window: Window) -> GatewayFacts | None:
-    """Cancellations and scrub failures in ``window`` from the gateway DB.
+    """Cancellations and scrub failures in ``window`` from the gateway DB; None if it cannot be
+    read (the report then says so)."""
+    import sqlalchemy as sa
+    from sqlmodel import Session, col, select
 
-    Returns None: the gateway DB has no such tables yet (see the module doc).
-    """
-    del database_url, window
-    return None
+    from gateway.db import make_engine
+    from gateway.jobstate import Cleanup
+    from gateway.models import FineTuningJob, Tenant
+
+    if database_url.startswith("sqlite:///"):
+        from pathlib import Path
+
+        if not Path(database_url.split("///", 1)[1]).is_file():   # never create one to report on
+            return None
+    try:
+        engine = make_engine(database_url)
+    except (OSError, sa.exc.SQLAlchemyError, RuntimeError):
+        return None
+    try:
+        with Session(engine) as s:
+            names = {t.id: t.name for t in s.exec(select(Tenant))}
+            cancelled = s.exec(select(FineTuningJob).where(
+                col(FineTuningJob.cancel_requested_at) >= window.start,
+                col(FineTuningJob.cancel_requested_at) < window.end,
+                col(FineTuningJob.slurm_job_id).is_not(None)))
+            cancellations = tuple(Cancellation(int(j.slurm_job_id or 0), names.get(j.tenant_id, "?"),
+                                               j.cancel_requested_at, j.stop_confirmed_at)
+                                  for j in cancelled if j.cancel_requested_at is not None)
+            failed = s.exec(select(FineTuningJob).where(
+                FineTuningJob.cleanup == Cleanup.FAILED, col(FineTuningJob.finished_at) >= window.start,
+                col(FineTuningJob.finished_at) < window.end))
+            scrubs = tuple(ScrubFailure(j.slurm_job_id, names.get(j.tenant_id), str((j.progress or {}).get("node")),
+                                        j.finished_at, "the epilog's scrub failed; the node was drained")
+                           for j in failed if j.finished_at is not None)
+    except (OSError, sa.exc.SQLAlchemyError):
+        return None
+    finally:
+        engine.dispose()
+    return GatewayFacts(cancellations, scrubs)

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from gateway.config import Settings
-from gateway.jobstate import TERMINAL, JobState
+from gateway.jobstate import TERMINAL, Cleanup, JobState
 from gateway.services.jobs import job_dir
 from gateway.storage import layout
 
@@ -274,7 +274,7 @@ def run_demo(settings: Settings, echo: Callable[[str], None] = print, *, tiny: b
         (out / "samples.json").write_text(json.dumps(rows, indent=2))
         ok = na > nb and na >= len(after) - 1
     deadline = time.monotonic() + 30
-    while job["cleanup"] == "pending" and time.monotonic() < deadline:
+    while job["cleanup"] == Cleanup.PENDING and time.monotonic() < deadline:
         time.sleep(1)
         job = client.get(f"/v1/fine_tuning/jobs/{job['id']}").json()
     server.stop()

@@ -42,6 +42,15 @@ class Event(StrEnum):
     ERROR = "error"                  # failed, with a FailReason
 
 
+class Cleanup(StrEnum):
+    """A finished job's node cleanup, as the epilog's scrub report tells it."""
+
+    PENDING = "pending"        # the job ended; the epilog has not reported yet
+    CONFIRMED = "confirmed"    # the scrub passed
+    FAILED = "failed"          # the scrub failed: the node was drained
+    OFF = "off"                # local mode: no scrubber runs
+
+
 class FailReason(StrEnum):
     USER_ERROR = "user_error"
     TIMEOUT = "timeout"

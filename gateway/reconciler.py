@@ -23,7 +23,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from gateway.config import Settings
-from gateway.jobstate import Action, Event, FailReason, JobState, decide, from_slurm
+from gateway.jobstate import Action, Cleanup, Event, FailReason, JobState, decide, from_slurm
 from gateway.models import FineTuningJob, Tenant, utcnow
 from gateway.scrub import ScrubReportError, read_report, report_path
 from gateway.services import ServiceError
@@ -188,7 +188,7 @@ class Reconciler:
             self.start_cancel(job.slurm_job_id)
         elif d.action is Action.CANCELLED:
             apply_event(s, job, Event.STOPPED, message="Job cancelled: Slurm confirms no process is left",
-                        stop_confirmed_at=utcnow(), finished_at=utcnow(), cleanup="pending")
+                        stop_confirmed_at=utcnow(), finished_at=utcnow(), cleanup=Cleanup.PENDING)
         elif d.action is Action.PUBLISH:
             self._publish(s, job, tenant)
         elif d.action is Action.START:
@@ -205,7 +205,7 @@ class Reconciler:
             apply_event(s, job, Event.ERROR, level="error", message=f"Job failed: {d.message}",
                         error={"code": d.reason.value, "message": d.message, "param": None,
                                "reason": d.reason.value},
-                        finished_at=utcnow(), stop_confirmed_at=utcnow(), cleanup="pending")
+                        finished_at=utcnow(), stop_confirmed_at=utcnow(), cleanup=Cleanup.PENDING)
         return job.status != before
 
     def _publish(self, s: Session, job: FineTuningJob, tenant: Tenant) -> None:
@@ -236,13 +236,15 @@ class Reconciler:
 
     # -------------------------------------------------------------- cleanup
     def _confirm_cleanups(self, s: Session) -> None:
-        for job in list(s.exec(select(FineTuningJob).where(FineTuningJob.cleanup == "pending"))):
+        for job in list(s.exec(select(FineTuningJob).where(FineTuningJob.cleanup == Cleanup.PENDING))):
             if self.settings.local:       # no nodes, no scrubber: nothing will ever confirm a cleanup
-                self._set_cleanup(s, job, "off", "No node cleanup in local mode (no scrubber runs)", "warn")
+                self._set_cleanup(s, job, Cleanup.OFF, "No node cleanup in local mode (no scrubber runs)", "warn")
             elif (ok := self._epilog_ok(job)) is not None:
-                self._set_cleanup(s, job, "confirmed" if ok else "failed", "Node cleanup confirmed by the epilog"
-                                  if ok else "Node cleanup FAILED: the node was drained for an administrator",
-                                  "info" if ok else "warn")
+                if ok:
+                    self._set_cleanup(s, job, Cleanup.CONFIRMED, "Node cleanup confirmed by the epilog", "info")
+                else:
+                    self._set_cleanup(s, job, Cleanup.FAILED,
+                                      "Node cleanup FAILED: the node was drained for an administrator", "warn")
 
     def _epilog_ok(self, job: FineTuningJob) -> bool | None:
         """Whether the epilog's scrub report for ``job`` says the node is clean; None: no report yet."""

@@ -12,7 +12,7 @@ from sqlmodel import Session
 from gateway.access import Policy
 from gateway.api.deps import SessionDep, SettingsDep
 from gateway.config import Settings
-from gateway.jobstate import JobState
+from gateway.jobstate import Cleanup, JobState
 from gateway.models import DataFile, FileStatus, FineTuningJob
 from gateway.portal.datasets import DATASETS, catalog_names
 from gateway.portal.jobviews import (
@@ -150,7 +150,7 @@ def live(job_id: str, request: Request, session: SessionDep, user: UserDep) -> R
     ctx = _live_context(session, user, job)
     parts = {name: env.get_template(f"_job_{name}.html").render(request=request, user=user, csrf=user.csrf, **ctx)
              for name in ("head", "live")}
-    done = job.status not in ACTIVE_STATES and job.cleanup != "pending"
+    done = job.status not in ACTIVE_STATES and job.cleanup != Cleanup.PENDING
     return JSONResponse({"status": job.status, **parts, "series": ctx["series"], "done": done})
 
 

@@ -15,7 +15,7 @@ from sqlmodel import Session
 
 from gateway import publish
 from gateway.config import Settings
-from gateway.jobstate import Event, FailReason
+from gateway.jobstate import Cleanup, Event, FailReason
 from gateway.models import DataFile, FineTuningJob, new_id, utcnow
 from gateway.services import Conflict, ServiceError
 from gateway.services.jobs import apply_event
@@ -50,7 +50,7 @@ def publish_attempt(*, session: Session, settings: Settings, storage: Storage, j
         apply_event(session, job, Event.ERROR, level="error", message=f"Publication refused: {msg}",
                     error={"code": "publication_refused", "message": msg, "param": None,
                            "reason": FailReason.INTERNAL.value},
-                    finished_at=utcnow(), cleanup="pending")
+                    finished_at=utcnow(), cleanup=Cleanup.PENDING)
         return
     aid = new_id("art")
     committed = False
@@ -65,7 +65,7 @@ def publish_attempt(*, session: Session, settings: Settings, storage: Storage, j
         session.flush()
         apply_event(session, job, Event.PUBLISHED, message="The job has successfully completed",
                     fine_tuned_model=fine_tuned_model_name(job, tenant_name),
-                    result_files=[r.id for r in rows], finished_at=utcnow(), cleanup="pending")
+                    result_files=[r.id for r in rows], finished_at=utcnow(), cleanup=Cleanup.PENDING)
         store.publish_commit(built["name"], aid)
         committed = True
         session.commit()

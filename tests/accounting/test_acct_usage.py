@@ -149,3 +149,41 @@ def test_helpers() -> None:
     assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 95) == 5
     never = next(r for r in sacct("sacct_final.txt") if r.job_id == "96")
     assert charged_pieces(never, HOUR, RECORDED_AT) == []
+
+
+def test_gateway_facts_are_read_from_the_gateway_database(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from datetime import timedelta
+
+    from sqlmodel import Session
+
+    from accounting.gateway_facts import load_gateway_facts
+    from gateway.db import make_engine, migrate
+    from gateway.models import DataFile, FineTuningJob, Tenant
+
+    url = f"sqlite:///{tmp_path / 'gw.db'}"
+    assert load_gateway_facts(url, HOUR) is None            # no database: "not available", none created
+    assert not (tmp_path / "gw.db").exists()
+    engine = make_engine(url)
+    migrate(engine)
+    t = HOUR.start + timedelta(minutes=5)
+    with Session(engine) as s:
+        tenant = Tenant(name="t-acct-b", unix_user="sft-t-acct-b")
+        s.add(tenant)
+        s.flush()
+        f = DataFile(tenant_id=tenant.id, filename="d.jsonl", purpose="fine-tune", bytes=1, sha256="0" * 64,
+                     status="processed")
+        s.add(f)
+        s.flush()
+        common = {"tenant_id": tenant.id, "training_file": f.id, "model": "tiny-chat"}
+        s.add(FineTuningJob(**common, slurm_job_id=96, cancel_requested_at=t,
+                            stop_confirmed_at=t + timedelta(seconds=5)))
+        s.add(FineTuningJob(**common, slurm_job_id=97, cancel_requested_at=t, stop_confirmed_at=None))
+        s.add(FineTuningJob(**common, slurm_job_id=98, cancel_requested_at=HOUR.end + timedelta(hours=1)))
+        s.add(FineTuningJob(**common, slurm_job_id=94, cleanup="failed", finished_at=t, progress={"node": "vm-n1"}))
+        s.add(FineTuningJob(**common, slurm_job_id=95, cleanup="confirmed", finished_at=t))
+        s.commit()
+    engine.dispose()
+    facts = load_gateway_facts(url, HOUR)
+    assert facts is not None
+    assert sorted((c.job_id, c.stop_latency_s) for c in facts.cancellations) == [(96, 5.0), (97, None)]
+    assert [(f.job_id, f.node, f.tenant) for f in facts.scrub_failures] == [(94, "vm-n1", "t-acct-b")]

@@ -336,7 +336,6 @@ def _state_words() -> set[str]:
 # The same word in another vocabulary, or a module that plays Slurm: "path:word" -> why.
 ALLOWED_STATE_WORDS = {
     "gateway/services/progress.py:failed": "a trainer event type (events.jsonl), not a job state",
-    "gateway/reconciler.py:failed": "a node-cleanup outcome (pending | confirmed | failed | off)",
     "gateway/storage/__init__.py:failed": "the fallback text of a broker error",
     "gateway/local.py:RUNNING": "submitit's own LocalJob.state word, not Slurm's",
 }
