@@ -441,15 +441,12 @@ def _local_first_start(settings: Any, url: str) -> None:
 
 
 def _reconciler(settings):  # type: ignore[no-untyped-def]
-    from gateway.db import open_database
-    from gateway.reconciler import Reconciler
-    from gateway.submission import Submitter, scheduler_for
+    from gateway.backend import build_backend
 
-    client = scheduler_for(settings)
-    if client is None:
+    reconciler = build_backend(settings).reconciler
+    if reconciler is None:
         click.echo("Slurm does not answer: no reconciler", err=True)
-        return None
-    return Reconciler(open_database(settings), settings, client, Submitter(settings, client))
+    return reconciler
 
 
 @main.command("reconcile")

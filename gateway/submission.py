@@ -13,31 +13,9 @@ from gateway.services.jobs import pick_qos
 from gateway.slurm.admin import Admin, unix_user_for
 from gateway.slurm.client import SlurmClient
 from gateway.slurm.render import JobScript
-from gateway.slurm.runner import SlurmError
 from gateway.storage import TenantRunner, storage_for
 
 Submit = Callable[[FineTuningJob, dict[str, Any], str], tuple[int, str]]
-
-
-def slurm_available(runner: Any) -> bool:
-    """Whether Slurm answers (``scontrol ping``) through this runner."""
-    try:
-        return bool(runner.run(["scontrol", "ping"], timeout=10).returncode == 0)
-    except SlurmError:
-        return False
-
-
-def scheduler_for(settings: Settings) -> Any:
-    """The scheduler jobs go to: the local one (local mode), the Slurm client when Slurm
-    answers, else None (files work, jobs cannot be submitted)."""
-    if settings.local:
-        from gateway.local import LocalScheduler
-
-        return LocalScheduler(settings)
-    from gateway.slurm import make_runner
-
-    runner = make_runner(settings)
-    return SlurmClient(runner, timeout=settings.slurm_timeout_s) if slurm_available(runner) else None
 
 
 class Submitter:

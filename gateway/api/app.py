@@ -15,7 +15,6 @@ from gateway.access import Policy, undeclared_routes
 from gateway.api.deps import access
 from gateway.api.errors import error_body
 from gateway.config import Settings
-from gateway.db import open_database
 from gateway.services import ServiceError
 
 log = logging.getLogger("gateway.api")
@@ -34,13 +33,11 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
     from fastapi.staticfiles import StaticFiles
 
     from gateway.api import files, jobs, models, staff
+    from gateway.backend import build_backend
     from gateway.portal import STATIC_DIR, STATIC_URL
     from gateway.portal import router as portal_router
-    from gateway.reconciler import Reconciler
-    from gateway.submission import Submitter, scheduler_for
 
-    if slurm is None:
-        slurm = scheduler_for(settings)
+    backend = build_backend(settings, scheduler=slurm, run_migrations=run_migrations)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
@@ -62,16 +59,13 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
 
     app.add_middleware(BodyLimit, max_bytes=settings.max_json_bytes)   # 413 for oversized bodies
     app.state.settings = settings
-    app.state.engine = open_database(settings, run_migrations=run_migrations)
+    app.state.engine = backend.engine
     from gateway.api.deps import PrincipalCache
 
     app.state.principals = PrincipalCache(settings.token_cache_s) if settings.token_cache_s > 0 else None
-    app.state.slurm = slurm
-    app.state.submitter = Submitter(settings, slurm) if slurm is not None else None
-    app.state.reconciler = Reconciler(app.state.engine, settings, slurm, app.state.submitter) \
-        if slurm is not None else None
-    if slurm is None:
-        log.warning("Slurm does not answer: files work, fine-tuning jobs cannot be submitted")
+    app.state.slurm = backend.scheduler
+    app.state.submitter = backend.submitter
+    app.state.reconciler = backend.reconciler
     app.include_router(files.router)
     app.include_router(jobs.router)
     app.include_router(models.router)

@@ -1,0 +1,65 @@
+"""The composition root: what a gateway process runs on, built from its settings in one place.
+
+``build_backend(settings)`` opens the database (migrated, audit chain anchored), picks the
+scheduler (Slurm when it answers, the local one in local mode, else none: files work, jobs
+cannot be submitted), and wires the Submitter and the Reconciler to them. ``finetune serve``
+(through ``gateway.api.app.create_app``), ``finetune reconcile``, the demo and the tests all
+start here. It may import everything below it; nothing imports it but the entry points.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.engine import Engine
+
+from gateway.config import Settings
+from gateway.db import open_database
+from gateway.reconciler import Reconciler
+from gateway.slurm import SlurmClient, make_runner
+from gateway.slurm.runner import SlurmError
+from gateway.submission import Submitter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Backend:
+    settings: Settings
+    engine: Engine
+    scheduler: Any              # SlurmClient, gateway.local.LocalScheduler, or None
+    submitter: Submitter | None
+    reconciler: Reconciler | None
+
+
+def slurm_available(runner: Any) -> bool:
+    """Whether Slurm answers (``scontrol ping``) through this runner."""
+    try:
+        return bool(runner.run(["scontrol", "ping"], timeout=10).returncode == 0)
+    except SlurmError:
+        return False
+
+
+def scheduler_for(settings: Settings) -> Any:
+    """The scheduler jobs go to: the local one (local mode), the Slurm client when Slurm
+    answers, else None."""
+    if settings.local:
+        from gateway.local import LocalScheduler
+
+        return LocalScheduler(settings)
+    runner = make_runner(settings)
+    return SlurmClient(runner, timeout=settings.slurm_timeout_s) if slurm_available(runner) else None
+
+
+def build_backend(settings: Settings, *, scheduler: Any = None, run_migrations: bool = True) -> Backend:
+    """Database, scheduler (``scheduler`` given, else ``scheduler_for``), Submitter, Reconciler."""
+    engine = open_database(settings, run_migrations=run_migrations)
+    if scheduler is None:
+        scheduler = scheduler_for(settings)
+    if scheduler is None:
+        log.warning("Slurm does not answer: files work, fine-tuning jobs cannot be submitted")
+        return Backend(settings, engine, None, None, None)
+    submitter = Submitter(settings, scheduler)
+    return Backend(settings, engine, scheduler, submitter, Reconciler(engine, settings, scheduler, submitter))
