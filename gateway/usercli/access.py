@@ -1,0 +1,217 @@
+"""Who may do what: `login` (save the URL and token), the `tokens` group (list, mint, revoke,
+rotate your tenant's tokens), support staff's access requests (`staff`), a tenant admin's
+decisions on them (`access`) and the tenant's audit trail (`audit`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import click
+
+from gateway.config import get_settings
+from gateway.usercli.client import _credentials_path, _echo_json, _when, call, connection, save_credentials
+
+
+@click.command("login")
+@click.option("--url", required=True, help="Gateway base URL, e.g. http://127.0.0.1:8000")
+@click.option("--token", prompt=True, hide_input=True, help="Your API token.")
+def login(url: str, token: str) -> None:
+    """Save the gateway URL and your token (file mode 0600)."""
+    click.echo(f"saved credentials for {url} in {save_credentials(url, token)}")
+
+
+def _request_line(r: dict[str, Any]) -> str:
+    expires = f"  until {_when(r['expires_at'])}" if r.get("expires_at") else ""
+    return (f"{r['id']}  {r['state']:<8} {r.get('tenant') or '-':<12} {r['resource']:<40} "
+            f"{r['duration_s'] // 60} min{expires}  {r['reason'][:60]}")
+
+
+@click.group("staff")
+def staff() -> None:
+    """Support staff: ask a tenant for time-bounded access to one resource (staff/sysadmin tokens)."""
+
+
+@staff.command("request")
+@click.option("--tenant", required=True, help="The tenant that owns the resource.")
+@click.option("--resource", required=True, metavar="job:ID|file:ID", help="Exactly one job or file.")
+@click.option("--reason", required=True, help="Why you need it; the tenant's admin reads this.")
+@click.option("--duration", default="2h", show_default=True,
+              help="How long the grant lasts once approved (30m, 2h, 1d).")
+@click.option("--json", "as_json", is_flag=True)
+def staff_request(tenant: str, resource: str, reason: str, duration: str, as_json: bool) -> None:
+    """Ask for access; it stays pending until the tenant's admin approves or denies it."""
+    obj = call("POST", "/v1/staff/access-requests",
+               json={"tenant": tenant, "resource": resource, "reason": reason, "duration": duration}).json()
+    if as_json:
+        _echo_json(obj)
+        return
+    click.echo(f"{obj['id']}: {obj['state']}; the admin of {tenant} approves it with "
+               f"`finetune access approve {obj['id']}`")
+
+
+def _print_requests(path: str, as_json: bool) -> None:
+    data = call("GET", path).json()["data"]
+    if as_json:
+        _echo_json(data)
+        return
+    for r in data:
+        click.echo(_request_line(r))
+
+
+@staff.command("list")
+@click.option("--json", "as_json", is_flag=True)
+def staff_list(as_json: bool) -> None:
+    """Your access requests and their state now (pending, active, expired, denied, revoked)."""
+    _print_requests("/v1/staff/access-requests", as_json)
+
+
+@click.group("access")
+def access() -> None:
+    """Staff access requests for your tenant's resources (approve/deny/revoke: tenant admins)."""
+
+
+@access.command("list")
+@click.option("--json", "as_json", is_flag=True)
+def access_list(as_json: bool) -> None:
+    """Every access request for your resources, newest first."""
+    _print_requests("/v1/access-requests", as_json)
+
+
+def _decide(request_id: str, action: str, as_json: bool) -> None:
+    obj = call("POST", f"/v1/access-requests/{request_id}/{action}").json()
+    if as_json:
+        _echo_json(obj)
+    else:
+        click.echo(_request_line(obj))
+
+
+@access.command("approve")
+@click.argument("request_id")
+@click.option("--json", "as_json", is_flag=True)
+def access_approve(request_id: str, as_json: bool) -> None:
+    """Approve: the requester may read exactly that resource for the requested duration."""
+    _decide(request_id, "approve", as_json)
+
+
+@access.command("deny")
+@click.argument("request_id")
+@click.option("--json", "as_json", is_flag=True)
+def access_deny(request_id: str, as_json: bool) -> None:
+    """Deny a pending request."""
+    _decide(request_id, "deny", as_json)
+
+
+@access.command("revoke")
+@click.argument("request_id")
+@click.option("--json", "as_json", is_flag=True)
+def access_revoke(request_id: str, as_json: bool) -> None:
+    """End an active grant now."""
+    _decide(request_id, "revoke", as_json)
+
+
+@click.group("audit")
+def audit() -> None:
+    """The audit trail of your tenant's resources."""
+
+
+@audit.command("list")
+@click.option("--limit", type=click.IntRange(1, 1000), default=50, show_default=True)
+@click.option("--before", type=click.IntRange(1, 2**31 - 1), help="Entries older than this sequence number.")
+@click.option("--json", "as_json", is_flag=True)
+def audit_list(limit: int, before: int | None, as_json: bool) -> None:
+    """Requests, decisions and reads by staff on your resources, newest first."""
+    params: dict[str, Any] = {"limit": limit, **({"after": before} if before else {})}
+    data = call("GET", "/v1/audit", params=params).json()["data"]
+    if as_json:
+        _echo_json(data)
+        return
+    for e in data:
+        actor = e["actor_token_id"] or "-"     # none: the local admin CLI
+        click.echo(f"{e['seq']:>6}  {e['at'][:19]}Z  {e['actor_role']}#{actor:<4} {e['action']:<18} "
+                   f"{e['resource'] or '-':<40} {e['outcome']:<7} {e['reason']}")
+
+
+# ----------------------------------------------------------------------- tokens
+def _token_line(t: dict[str, Any]) -> str:
+    state = f"revoked {_when(t['revoked_at'])} by {t.get('revoked_by') or '?'}" if t.get("revoked_at") else "active"
+    decides = "  decides access" if t.get("decides_access") else ""
+    return (f"#{t['id']:<5} {t['role']:<13} {t['name'] or '-':<20} {t['prefix']}…  created {_when(t['created_at'])}  "
+            f"minted by {t['minted_by']}{' (operator)' if t.get('minted_by_operator') else ''}  {state}{decides}")
+
+
+@click.group("tokens")
+def tokens() -> None:
+    """Your tenant's API tokens: who minted each, rotate yours (admins: create, revoke)."""
+
+
+@tokens.command("list")
+@click.option("--json", "as_json", is_flag=True)
+def tokens_list(as_json: bool) -> None:
+    """Every token of your tenant (revoked ones too) and who minted or revoked it; use is not tracked."""
+    data = call("GET", "/v1/tokens").json()["data"]
+    if as_json:
+        _echo_json(data)
+        return
+    for t in data:
+        click.echo(_token_line(t))
+
+
+def _show_new(obj: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        _echo_json(obj)
+        return
+    click.echo(f"token #{obj['id']} ({obj['role']}), shown once: {obj['token']}")
+    if obj["role"] == "tenant_admin" and not obj.get("decides_access"):
+        click.echo("  it cannot decide staff access requests (operator-minted): ask one of your tenant's own "
+                   "admins (`finetune tokens list`) to mint you one")
+
+
+@tokens.command("create")
+@click.option("--role", type=click.Choice(["member", "tenant_admin"]), default="member", show_default=True)
+@click.option("--name", default="", help="A label shown in listings.")
+@click.option("--json", "as_json", is_flag=True)
+def tokens_create(role: str, name: str, as_json: bool) -> None:
+    """Mint a token for your tenant (tenant admins); it is shown once."""
+    _show_new(call("POST", "/v1/tokens", json={"role": role, "name": name}).json(), as_json)
+
+
+@tokens.command("revoke")
+@click.argument("token_id", type=click.IntRange(1, 2**31 - 1))
+@click.option("--json", "as_json", is_flag=True)
+def tokens_revoke(token_id: int, as_json: bool) -> None:
+    """Revoke one of your tenant's tokens (tenant admins)."""
+    obj = call("POST", f"/v1/tokens/{token_id}/revoke").json()
+    _echo_json(obj) if as_json else click.echo(_token_line(obj))
+
+
+@tokens.command("rotate")
+@click.option("--json", "as_json", is_flag=True)
+def tokens_rotate(as_json: bool) -> None:
+    """Replace your token with a new secret and revoke the old one (a copy anyone kept stops working).
+
+    Rotating the tenant_admin token your sysadmin gave you claims it: the new one decides staff
+    access requests (while your tenant has no admin token of its own yet). The saved
+    credentials of `finetune login` are updated; a token in SFT_API_TOKEN is not.
+    """
+    url, old = connection()
+    obj = call("POST", "/v1/tokens/rotate").json()
+    path, saved = _credentials_path(), False
+    if not get_settings().api_token:
+        try:
+            if json.loads(path.read_text()).get("token") == old:
+                tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    json.dump({"url": url, "token": obj["token"]}, f)
+                os.replace(tmp, path)
+                saved = True
+        except (OSError, ValueError, AttributeError) as e:
+            click.echo(f"could not update {path} ({e}): keep the new token printed below", err=True)
+    if as_json:
+        _echo_json({**obj, "saved_to": str(path) if saved else None})
+        return
+    _show_new(obj, as_json=False)
+    click.echo(f"  token #{obj['minted_by_token_id']} is revoked; "
+               + (f"saved the new one in {path}" if saved else "put the new one where you keep your token"))

@@ -1,0 +1,97 @@
+"""The `files` group: upload a dataset (with a progress bar), list, show and remove files,
+and the validation report they print."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import click
+
+from gateway.usercli.client import call
+
+
+@click.group("files")
+def files() -> None:
+    """Your datasets on the gateway."""
+
+
+class _Progress:
+    """A file object that advances a click progress bar as httpx reads it."""
+
+    def __init__(self, f: BinaryIO, bar: Any):
+        self.f, self.bar = f, bar
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        self.bar.update(len(data))
+        return data
+
+
+def print_report(obj: dict[str, Any]) -> None:
+    v = obj.get("validation") or {}
+    stats = v.get("stats") or {}
+    click.echo(f"{obj['id']}  {obj['filename']}  {obj['bytes']} bytes  status: {obj['status']}")
+    tok = stats.get("tokens")
+    if tok:
+        click.echo(f"  {stats.get('examples')} examples, {tok['total']} tokens "
+                   f"(p50 {tok['p50']}, p95 {tok['p95']}, max {tok['max']}; assistant {tok['assistant']}), "
+                   f"~{stats.get('estimated_training_tokens')} tokens for {stats.get('estimated_epochs')} epochs")
+    else:
+        click.echo(f"  {stats.get('examples', 0)} examples")
+    for kind, n in sorted((v.get("error_counts") or {}).items()):
+        click.echo(f"  ERROR {kind}: {n}")
+    for e in v.get("errors") or []:
+        where = f"line {e['line']}" if e.get("line") else "file"
+        click.echo(f"    {where}: [{e['kind']}] {e['message']}")
+    for kind, n in sorted((v.get("warning_counts") or {}).items()):
+        click.echo(f"  warning {kind}: {n}")
+
+
+@files.command("upload")
+@click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--model", help="Base model whose tokenizer checks the lengths (default: the gateway's).")
+@click.option("--json", "as_json", is_flag=True)
+def upload(path: Path, model: str | None, as_json: bool) -> None:
+    """Upload a chat JSONL dataset; print its validation report. Exit 1 if it has errors."""
+    size = path.stat().st_size
+    with open(path, "rb") as f, click.progressbar(length=size, label=f"uploading {path.name}",
+                                                  file=None if not as_json else open(os.devnull, "w")) as bar:
+        r = call("POST", "/v1/files", params={"model": model} if model else None,
+                 data={"purpose": "fine-tune"}, files={"file": (path.name, _Progress(f, bar))})
+    obj = r.json()
+    click.echo(json.dumps(obj, indent=2)) if as_json else print_report(obj)
+    if obj["status"] != "processed":
+        raise SystemExit(1)
+
+
+@files.command("list")
+@click.option("--json", "as_json", is_flag=True)
+def list_files(as_json: bool) -> None:
+    """Your files, newest first."""
+    data = call("GET", "/v1/files").json()["data"]
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    for o in data:
+        click.echo(f"{o['id']}  {o['status']:<10} {o['bytes']:>12}  {o['filename']}")
+
+
+@files.command("show")
+@click.argument("file_id")
+@click.option("--json", "as_json", is_flag=True)
+def show(file_id: str, as_json: bool) -> None:
+    """One file with its validation report."""
+    obj = call("GET", f"/v1/files/{file_id}").json()
+    click.echo(json.dumps(obj, indent=2)) if as_json else print_report(obj)
+
+
+@files.command("rm")
+@click.argument("file_id")
+@click.option("--json", "as_json", is_flag=True)
+def rm(file_id: str, as_json: bool) -> None:
+    """Delete a file and its bytes (refused while a running job uses it)."""
+    obj = call("DELETE", f"/v1/files/{file_id}").json()
+    click.echo(json.dumps(obj) if as_json else f"deleted {file_id}")

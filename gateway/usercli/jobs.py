@@ -1,0 +1,253 @@
+"""The `jobs` group: create, list, show, follow (events and a progress line, polled until the
+job ends) and cancel fine-tuning jobs."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import click
+
+from gateway.jobstate import TERMINAL as TERMINAL_STATES
+from gateway.jobstate import JobState
+from gateway.usercli.client import Unreachable, _echo_json, _when, call
+
+TERMINAL = tuple(s.value for s in JobState if s in TERMINAL_STATES)
+
+
+def _parse_hp(pairs: tuple[str, ...]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs; values are JSON when they parse (numbers, true, null), else strings."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"{pair!r}: expected KEY=VALUE, e.g. lora_alpha=32", param_hint="--hp")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except ValueError:
+            out[key.strip()] = raw
+    return out
+
+
+@click.group("jobs")
+def jobs() -> None:
+    """Your fine-tuning jobs: create, list, show, follow, cancel."""
+
+
+@jobs.command("create")
+@click.option("--training-file", required=True, help="File id of a processed training dataset.")
+@click.option("--validation-file", help="File id of a processed validation dataset.")
+@click.option("--model", required=True, help="Base model from the catalog (`finetune models list`).")
+@click.option("--epochs", type=click.IntRange(1, 100))
+@click.option("--learning-rate-multiplier", type=click.FloatRange(min=0, min_open=True))
+@click.option("--lora-r", type=click.IntRange(1, 1024))
+@click.option("--batch-size-tokens", type=click.IntRange(16))
+@click.option("--max-seq-len", type=click.IntRange(8))
+@click.option("--suffix", help="Up to 64 characters of [A-Za-z0-9_.-] in the fine-tuned model's name.")
+@click.option("--seed", type=click.IntRange(0, 2**31 - 1))
+@click.option("--idempotency-key", help="Sending the same key again returns the same job.")
+@click.option("--hp", "extra", multiple=True, metavar="KEY=VALUE", help="Any other hyperparameter (repeatable).")
+@click.option("--json", "as_json", is_flag=True)
+def create_job(training_file: str, validation_file: str | None, model: str, epochs: int | None,
+               learning_rate_multiplier: float | None, lora_r: int | None, batch_size_tokens: int | None,
+               max_seq_len: int | None, suffix: str | None, seed: int | None, idempotency_key: str | None,
+               extra: tuple[str, ...], as_json: bool) -> None:
+    """Create a fine-tuning job; it is queued on Slurm at once."""
+    named = {"n_epochs": epochs, "learning_rate_multiplier": learning_rate_multiplier, "lora_r": lora_r,
+             "batch_size_tokens": batch_size_tokens, "max_seq_len": max_seq_len}
+    hp = {**{k: v for k, v in named.items() if v is not None}, **_parse_hp(extra)}
+    body = {"model": model, "training_file": training_file, "validation_file": validation_file,
+            "hyperparameters": hp or None, "suffix": suffix, "seed": seed}
+    obj = call("POST", "/v1/fine_tuning/jobs", json={k: v for k, v in body.items() if v is not None},
+               headers={"Idempotency-Key": idempotency_key} if idempotency_key else None).json()
+    if as_json:
+        _echo_json(obj)
+        return
+    where = f"Slurm job {obj['slurm_job_id']}, QOS {obj['qos']}" if obj.get("slurm_job_id") else "not on Slurm"
+    click.echo(f"{obj['id']}  {obj['status']}  ({where})")
+    if obj.get("error"):
+        click.echo(f"  error: {obj['error'].get('message')}")
+        raise SystemExit(1)
+    click.echo(f"  follow it: finetune jobs follow {obj['id']}")
+
+
+@jobs.command("list")
+@click.option("--limit", type=click.IntRange(1, 100), default=20, show_default=True)
+@click.option("--after", metavar="JOB_ID", help="Continue after this job (the last one of the previous page).")
+@click.option("--json", "as_json", is_flag=True, help="Print the API's list object (data, has_more).")
+def list_jobs(limit: int, after: str | None, as_json: bool) -> None:
+    """Your jobs, newest first, one page at a time."""
+    params: dict[str, Any] = {"limit": limit, **({"after": after} if after else {})}
+    page = call("GET", "/v1/fine_tuning/jobs", params=params).json()
+    if as_json:
+        _echo_json(page)
+        return
+    if not page["data"]:
+        click.echo("no jobs yet: `finetune jobs create --training-file FILE_ID --model MODEL`")
+    for j in page["data"]:
+        phase = f"/{j['phase']}" if j.get("phase") and j["status"] == JobState.RUNNING else ""
+        click.echo(f"{j['id']}  {_when(j['created_at'])}  {j['status'] + phase:<20} {j['model']:<14} "
+                   f"{j.get('fine_tuned_model') or ''}")
+    if page.get("has_more") and page["data"]:
+        click.echo(f"more: finetune jobs list --after {page['data'][-1]['id']}")
+
+
+def progress_line(job: dict[str, Any], now: float | None = None) -> str:
+    """One line: status/phase, step/total, loss, tokens/s, ETA (from estimated_finish)."""
+    p = job.get("progress") or {}
+    parts = [job["status"] + (f"/{job['phase']}" if job.get("phase") and job["status"] == JobState.RUNNING else "")]
+    if p.get("step") is not None and p.get("total_steps"):
+        parts.append(f"step {p['step']}/{p['total_steps']} ({100 * p['step'] // max(1, p['total_steps'])}%)")
+    if isinstance(p.get("loss"), int | float):
+        parts.append(f"loss {p['loss']:.4f}")
+    if isinstance(p.get("tokens_per_s"), int | float):
+        parts.append(f"{p['tokens_per_s']:,.0f} tok/s")
+    if job.get("estimated_finish"):
+        left = max(0, int(job["estimated_finish"] - (time.time() if now is None else now)))
+        parts.append(f"ETA {left // 60}m{left % 60:02d}s")
+    return "  ".join(parts)
+
+
+def _show_text(j: dict[str, Any]) -> None:
+    rows = [("status", progress_line(j)), ("model", j["model"]),
+            ("fine-tuned model", j.get("fine_tuned_model")), ("training file", j["training_file"]),
+            ("validation file", j.get("validation_file")), ("slurm job", j.get("slurm_job_id")),
+            ("attempt", j.get("attempt")), ("qos", j.get("qos")), ("created", _when(j.get("created_at"))),
+            ("finished", _when(j.get("finished_at"))), ("trained tokens", j.get("trained_tokens")),
+            ("cleanup", j.get("cleanup")), ("result files", ", ".join(j.get("result_files") or []) or None),
+            ("hyperparameters", json.dumps((j.get("method") or {}).get("supervised", {}).get("hyperparameters")))]
+    click.echo(j["id"])
+    for name, value in rows:
+        if value not in (None, ""):
+            click.echo(f"  {name + ':':<17} {value}")
+    if j.get("error"):
+        click.echo(f"  error:            [{j['error'].get('code')}] {j['error'].get('message')}")
+
+
+@jobs.command("show")
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True)
+def show_job(job_id: str, as_json: bool) -> None:
+    """One job: status, phase, progress, Slurm id, results, error."""
+    obj = call("GET", f"/v1/fine_tuning/jobs/{job_id}").json()
+    _echo_json(obj) if as_json else _show_text(obj)
+
+
+def _event_num(ev: dict[str, Any]) -> int:
+    return int(str(ev["id"]).removeprefix("ftevent-"))
+
+
+def new_events(job_id: str, last: int) -> list[dict[str, Any]]:
+    """Events with an id above ``last``, oldest first. The API lists newest first and pages
+    towards older ones with ``after``, so page back until ``last`` is reached."""
+    out: list[dict[str, Any]] = []
+    params: dict[str, Any] = {"limit": 100}
+    while True:
+        page = call("GET", f"/v1/fine_tuning/jobs/{job_id}/events", params=params).json()
+        fresh = [e for e in page["data"] if _event_num(e) > last]
+        out.extend(fresh)
+        if len(fresh) < len(page["data"]) or not page.get("has_more") or not fresh:
+            return sorted(out, key=_event_num)
+        params["after"] = fresh[-1]["id"]
+
+
+class _Display:
+    """Events as lines; on a terminal the progress line is redrawn below them, elsewhere
+    it is printed (prefixed ``>``) whenever it changes."""
+
+    def __init__(self, as_json: bool):
+        self.as_json, self.tty, self.line = as_json, sys.stdout.isatty(), ""
+
+    def event(self, ev: dict[str, Any]) -> None:
+        if self.as_json:
+            click.echo(json.dumps(ev))
+            return
+        level = "" if ev.get("level") == "info" else f"[{str(ev.get('level')).upper()}] "
+        click.echo(f"{self._erase()}{_when(ev.get('created_at'))}  {level}{ev['message']}")
+        if self.tty:
+            click.echo(self.line, nl=False)
+
+    def progress(self, text: str) -> None:
+        if not self.as_json and text != self.line:
+            click.echo(self._erase() + (text if self.tty else f"  > {text}"), nl=not self.tty)
+            self.line = text
+
+    def _erase(self) -> str:
+        return "\r\033[K" if self.tty and self.line else ""
+
+    def close(self) -> None:
+        if self.tty and self.line and not self.as_json:
+            click.echo("")
+
+
+def _poll(job_id: str, last: int, retry_s: float) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(job, new events); a gateway that stops answering is retried for ``retry_s``."""
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            job = call("GET", f"/v1/fine_tuning/jobs/{job_id}").json()
+            return job, new_events(job_id, last)   # after the job: a final state's events are in
+        except Unreachable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(2)
+
+
+@jobs.command("follow")
+@click.argument("job_id")
+@click.option("--interval", type=click.FloatRange(0.2, 60), default=1.0, show_default=True,
+              help="Seconds between polls.")
+@click.option("--json", "as_json", is_flag=True, help="Print events as JSON lines, then the final job.")
+def follow(job_id: str, interval: float, as_json: bool) -> None:
+    """Stream a job's events and progress until it ends. Exit 0 if it succeeded, 1 otherwise."""
+    display, last = _Display(as_json), -1
+    try:
+        while True:
+            job, events = _poll(job_id, last, retry_s=60)
+            for ev in events:
+                display.event(ev)
+                last = _event_num(ev)
+            display.progress(progress_line(job))
+            if job["status"] in TERMINAL:
+                break
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        display.close()
+        click.echo(f"stopped following; the job goes on (finetune jobs cancel {job_id})", err=True)
+        raise SystemExit(130) from None
+    display.close()
+    _finish(job, as_json)
+
+
+def _finish(job: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(job))
+    elif job["status"] == JobState.SUCCEEDED:
+        click.echo(f"succeeded: {job['fine_tuned_model']}\n"
+                   f"  download: finetune artifacts download {job['id']} --extract")
+    elif job.get("error"):
+        click.echo(f"{job['status']}: [{job['error'].get('code')}] {job['error'].get('message')}", err=True)
+    else:
+        click.echo(job["status"], err=True)
+    if job["status"] != JobState.SUCCEEDED:
+        raise SystemExit(1)
+
+
+@jobs.command("cancel")
+@click.argument("job_id")
+@click.option("--wait", is_flag=True, help="Wait until Slurm confirms the job stopped.")
+@click.option("--json", "as_json", is_flag=True)
+def cancel(job_id: str, wait: bool, as_json: bool) -> None:
+    """Cancel a job: `cancelling` at once, `cancelled` once Slurm confirms. A finished job is an error."""
+    obj = call("POST", f"/v1/fine_tuning/jobs/{job_id}/cancel").json()
+    while wait and obj["status"] not in TERMINAL:
+        time.sleep(0.5)
+        obj = call("GET", f"/v1/fine_tuning/jobs/{job_id}").json()
+    if as_json:
+        _echo_json(obj)
+    elif obj["status"] == JobState.CANCELLED:
+        click.echo(f"{job_id}: cancelled")
+    else:
+        click.echo(f"{job_id}: {obj['status']} (Slurm is stopping it; `finetune jobs show {job_id}`)")
