@@ -55,7 +55,7 @@ def load_gateway_facts(database_url: str, window: Window) -> GatewayFacts | None
     from sqlmodel import Session, col, select
 
     from gateway.db import make_engine
-    from gateway.jobstate import Cleanup
+    from gateway.jobs.state import Cleanup
     from gateway.models import FineTuningJob, Tenant
 
     if database_url.startswith("sqlite:///"):

@@ -25,7 +25,7 @@ from datetime import UTC, date, datetime, timedelta
 
 from accounting.gateway_facts import NOT_AVAILABLE, GatewayFacts
 from accounting.window import AccountingError, Window
-from gateway.jobstate import SlurmState
+from gateway.jobs.state import SlurmState
 from gateway.slurm.records import AcctRecord
 
 GROUPINGS = ("tenant", "user", "qos", "day")

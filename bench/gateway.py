@@ -412,7 +412,7 @@ def insert_rows(engine: Any, held: dict[int, str]) -> None:
 
 
 def run_b(workdir: Path) -> dict[str, Any]:
-    from gateway.reconciler import Reconciler
+    from gateway.jobs.reconciler import Reconciler
 
     onboard(f"sqlite:///{workdir / 'bench-b.db'}", HOLD_TENANTS)
     print("(b) submitting 300 held jobs ...", flush=True)

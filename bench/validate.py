@@ -6,7 +6,7 @@ json.loads into a list, loop over examples for format errors, then count tokens
 message by message (``tokenizer.encode`` per message; the cookbook uses tiktoken,
 which needs a download, so both sides use the same catalog model's tokenizer).
 
-Ours streams the file in 1 MiB blocks through ``gateway.validation`` (bounded
+Ours streams the file in 1 MiB blocks through ``gateway.datasets.validation`` (bounded
 memory, line-numbered errors) and counts tokens in batches with the chat template.
 
     python bench/validate.py [--mb 200] [--token-mb 20]
@@ -98,7 +98,7 @@ def reference_check(path: Path, tokenizer: Any | None) -> dict[str, Any]:
 
 
 def ours(path: Path, counter: Any | None) -> dict[str, Any]:
-    from gateway.validation import validate_stream
+    from gateway.datasets.validation import validate_stream
 
     def blocks():  # type: ignore[no-untyped-def]
         with open(path, "rb") as f:
@@ -119,7 +119,7 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=200, help="file size without token counting")
     ap.add_argument("--token-mb", type=int, default=20, help="file size with token counting")
     args = ap.parse_args()
-    from gateway.tokencount import HFTokenCounter
+    from gateway.datasets.tokencount import HFTokenCounter
     from trainer import catalog
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -17,10 +17,10 @@ from sqlalchemy.engine import Engine
 
 from gateway.config import Settings
 from gateway.db import open_database
-from gateway.reconciler import Reconciler
+from gateway.jobs.reconciler import Reconciler
+from gateway.jobs.submission import Submitter
 from gateway.slurm import SlurmClient, make_runner
 from gateway.slurm.runner import SlurmError
-from gateway.submission import Submitter
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from gateway.config import Settings
-from gateway.jobstate import TERMINAL, Cleanup, JobState
+from gateway.jobs.state import TERMINAL, Cleanup, JobState
 from gateway.services.jobs import job_dir
 from gateway.storage import layout
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config import Settings
-from gateway.jobstate import SlurmState as S
+from gateway.jobs.state import SlurmState as S
 from gateway.slurm import records as rec
 from gateway.slurm.client import CancelResult, JobStatus
 from gateway.slurm.render import JobScript

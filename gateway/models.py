@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
 
-from gateway.jobstate import JobState
+from gateway.jobs.state import JobState
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -113,7 +113,7 @@ class DataFile(SQLModel, table=True):
 
 class FineTuningJob(SQLModel, table=True):
     """A fine-tuning job. ``status`` changes only through gateway.services.jobs, which
-    applies gateway.jobstate.transition under an optimistic ``version`` check."""
+    applies gateway.jobs.state.transition under an optimistic ``version`` check."""
 
     __tablename__ = "fine_tuning_jobs"
     __table_args__ = (sa.UniqueConstraint("tenant_id", "idempotency_key", name="uq_job_idempotency"),)

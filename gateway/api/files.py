@@ -10,11 +10,11 @@ from fastapi.responses import StreamingResponse
 from gateway.access import Policy
 from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep, access
 from gateway.api.fastjson import FastJSON
+from gateway.datasets.uploads import receive
+from gateway.datasets.validation import Validator
 from gateway.models import DataFile
 from gateway.services import ServiceError, TooLarge
 from gateway.services import files as svc
-from gateway.uploads import receive
-from gateway.validation import Validator
 
 router = APIRouter(prefix="/v1/files", tags=["files"], dependencies=[access(Policy.TENANT)])
 FILE_ID = r"^[A-Za-z0-9_-]{1,64}$"

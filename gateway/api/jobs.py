@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.access import Policy
 from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep, access
 from gateway.api.fastjson import FastJSON
-from gateway.jobstate import JobState
+from gateway.jobs.state import JobState
 from gateway.models import FineTuningJob, JobCheckpoint, JobEvent
 from gateway.services import ServiceError
 from gateway.services import jobs as svc

@@ -3,7 +3,7 @@
 Every request body is capped at ``Settings.max_json_bytes`` (JSON, urlencoded or multipart
 forms alike) except the two streaming uploads (``POST /v1/files``, ``POST /portal/datasets``):
 those cap the file at ``max_upload_bytes`` and each non-file field themselves
-(gateway/uploads.py), while the bytes arrive.
+(gateway/datasets/uploads.py), while the bytes arrive.
 
 Cheap by construction, since the API's hot path passes through here:
 
@@ -25,7 +25,7 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-# The routes whose multipart body is streamed and capped by gateway/uploads.py (POST only).
+# The routes whose multipart body is streamed and capped by gateway/datasets/uploads.py (POST only).
 UPLOAD_PATHS = frozenset({"/v1/files", "/portal/datasets"})
 CODE = "request_too_large"
 SCOPE_FLAG = "sft.body_too_large"   # set in the scope once a streamed body went over the cap

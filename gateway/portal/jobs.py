@@ -12,7 +12,7 @@ from sqlmodel import Session
 from gateway.access import Policy
 from gateway.api.deps import SessionDep, SettingsDep
 from gateway.config import Settings
-from gateway.jobstate import Cleanup, JobState
+from gateway.jobs.state import Cleanup, JobState
 from gateway.models import DataFile, FileStatus, FineTuningJob
 from gateway.portal.datasets import DATASETS, catalog_names
 from gateway.portal.jobviews import (

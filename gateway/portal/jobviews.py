@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
-from gateway.jobstate import ACTIVE, JobState
+from gateway.jobs.state import ACTIVE, JobState
 from gateway.models import FineTuningJob, JobEvent
 from gateway.services.jobs import BASE_LEARNING_RATE, DEFAULT_EPOCHS, JobRequest
 

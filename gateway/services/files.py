@@ -9,15 +9,15 @@ from typing import TYPE_CHECKING, Any
 from sqlmodel import Session, col, select
 
 from gateway.config import Settings
-from gateway.jobstate import ACTIVE, JobState
+from gateway.datasets.validation import Validator
+from gateway.jobs.state import ACTIVE, JobState
 from gateway.models import DataFile, FileStatus, FineTuningJob, utcnow
 from gateway.services import Conflict, Forbidden, NotFound
 from gateway.services.tokens import Principal
 from gateway.storage import TenantStorage, layout, storage_for
-from gateway.validation import Validator
 
 if TYPE_CHECKING:
-    from gateway.uploads import Upload
+    from gateway.datasets.uploads import Upload
 
 log = logging.getLogger(__name__)
 ACTIVE_JOB_STATES = tuple(s.value for s in JobState if s in ACTIVE)
@@ -48,7 +48,7 @@ def stream_file(settings: Settings, tenant_name: str, row: DataFile) -> Iterator
 
 def upload_validator(settings: Settings, model: str | None) -> Validator:
     """The streaming validator for an upload, with ``model``'s tokenizer when it has one."""
-    from gateway.tokencount import counter_for
+    from gateway.datasets.tokencount import counter_for
 
     return Validator(max_seq_len=settings.max_seq_len, min_examples=settings.min_examples,
                      max_errors=settings.max_reported_errors, max_line_bytes=settings.max_line_bytes,

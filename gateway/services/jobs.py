@@ -1,6 +1,6 @@
 """Fine-tuning jobs: creation with admission control, state changes, cancellation.
 
-Every state change goes through ``apply_event``: ``jobstate.transition`` plus an
+Every state change goes through ``apply_event``: ``jobs.state.transition`` plus an
 UPDATE guarded by the row's ``version``, so two writers (a cancel and a
 publication, a reconciler and a request) can never both win.
 """
@@ -20,7 +20,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from gateway.config import Settings
-from gateway.jobstate import ACTIVE, Event, FailReason, JobState, transition
+from gateway.jobs.state import ACTIVE, Event, FailReason, JobState, transition
 from gateway.models import DataFile, FileStatus, FineTuningJob, JobCheckpoint, JobEvent, utcnow
 from gateway.services import Conflict, NotFound, ServiceError
 from gateway.services.files import get_file

@@ -1,11 +1,11 @@
 """Publication of a completed attempt: the transaction that makes a job succeeded.
 
-Owns the sequence ``gateway.publish`` describes: the broker builds and verifies the
+Owns the sequence ``gateway.jobs.publish`` describes: the broker builds and verifies the
 results as the tenant (``publish_build``), the eval gate and ``check_results`` judge
 what came back, the result ``DataFile`` rows and the PUBLISHED transition are recorded,
 ``publish_commit`` renames the build dir into ``artifacts/<id>/`` and the session
 commits; on any failure it rolls back and removes what was built. Imports the models,
-``gateway.publish``, ``services.jobs`` and storage's verbs and layout; the reconciler calls
+``gateway.jobs.publish``, ``services.jobs`` and storage's verbs and layout; the reconciler calls
 ``publish_attempt`` for a job in PUBLISHING.
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from sqlmodel import Session
 
-from gateway import publish
 from gateway.config import Settings
-from gateway.jobstate import Cleanup, Event, FailReason
+from gateway.jobs import publish
+from gateway.jobs.state import Cleanup, Event, FailReason
 from gateway.models import DataFile, FineTuningJob, new_id, utcnow
 from gateway.services import Conflict, ServiceError
 from gateway.services.jobs import apply_event

@@ -18,8 +18,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from gateway.jobstate import SLURM_ACTIVE
-from gateway.jobstate import SlurmState as S
+from gateway.jobs.state import SLURM_ACTIVE
+from gateway.jobs.state import SlurmState as S
 from gateway.slurm import records as rec
 from gateway.slurm.render import JobScript, render_sbatch
 from gateway.slurm.runner import DEFAULT_TIMEOUT_S, CommandResult, Runner, SlurmCommandError

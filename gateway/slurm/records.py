@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from gateway.jobstate import SlurmState
+from gateway.jobs.state import SlurmState
 from gateway.slurm.runner import SlurmError
 
 # ASCII unit separator: cannot occur in account, user, QOS or job names.

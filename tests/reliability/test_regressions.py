@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from gateway.validation import validate_lines
+from gateway.datasets.validation import validate_lines
 
 
 def _ok_lines(n: int = 12) -> list[bytes]:
@@ -48,8 +48,8 @@ def test_a_validator_crash_at_finish_leaves_no_temp_file(tmp_path) -> None:  # t
 
     import pytest
 
-    from gateway.uploads import receive
-    from gateway.validation import Validator
+    from gateway.datasets.uploads import receive
+    from gateway.datasets.validation import Validator
 
     class Boom:
         name = "boom"
@@ -87,8 +87,8 @@ def test_gateway_killed_before_spec_json_resubmits_from_the_row(tmp_path, monkey
 
     from gateway.config import Settings
     from gateway.db import make_engine, migrate
+    from gateway.jobs.reconciler import Reconciler
     from gateway.models import DataFile, FineTuningJob, Tenant, utcnow
-    from gateway.reconciler import Reconciler
     from gateway.slurm import JobScript, SlurmClient
     from gateway.slurm.fake import FakeSlurm
 
@@ -132,8 +132,8 @@ def test_short_writes_never_truncate_an_upload(tmp_path, monkeypatch) -> None:  
     import hashlib
     import os
 
-    from gateway import uploads
-    from gateway.validation import Validator
+    from gateway.datasets import uploads
+    from gateway.datasets.validation import Validator
 
     real_write = os.write
     monkeypatch.setattr(uploads.os, "write", lambda fd, data: real_write(fd, bytes(data[:1000])))
@@ -190,8 +190,8 @@ def test_recovery_never_races_a_submission_still_in_flight(tmp_path) -> None:  #
 
     from gateway.config import Settings
     from gateway.db import make_engine, migrate
+    from gateway.jobs.reconciler import Reconciler
     from gateway.models import DataFile, FineTuningJob, Tenant, utcnow
-    from gateway.reconciler import Reconciler
     from gateway.slurm import SlurmClient
     from gateway.slurm.fake import FakeSlurm
 

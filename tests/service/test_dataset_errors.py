@@ -62,7 +62,7 @@ def test_unknown_model_means_tokens_unchecked(gw_tok: Gateway) -> None:
 def test_length_bound_is_never_below_the_exact_count(tiny_catalog: Path) -> None:
     import random
 
-    from gateway.tokencount import HFTokenCounter
+    from gateway.datasets.tokencount import HFTokenCounter
 
     entry = next(iter((tiny_catalog / "tiny-chat").iterdir()))
     counter = HFTokenCounter(entry, "tiny-chat")
@@ -84,8 +84,8 @@ def test_length_bound_is_never_below_the_exact_count(tiny_catalog: Path) -> None
 
 
 def test_too_long_example_caught_outside_the_statistics_sample(tiny_catalog: Path) -> None:
-    from gateway.tokencount import HFTokenCounter
-    from gateway.validation import validate_stream
+    from gateway.datasets.tokencount import HFTokenCounter
+    from gateway.datasets.validation import validate_stream
 
     entry = next(iter((tiny_catalog / "tiny-chat").iterdir()))
     rows = [json.dumps({"messages": [{"role": "user", "content": f"q {i}"},

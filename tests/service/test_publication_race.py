@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from sqlmodel import Session, select
 
-from gateway.jobstate import JobState
+from gateway.jobs.reconciler import Reconciler
+from gateway.jobs.state import JobState
 from gateway.models import DataFile, FineTuningJob, Role, Tenant
-from gateway.reconciler import Reconciler
 from gateway.services import Conflict
 from gateway.services.jobs import request_cancel
 from gateway.services.tenants import ensure_tenant

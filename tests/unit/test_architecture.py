@@ -328,7 +328,7 @@ def test_the_rule_itself_catches_a_session_write(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------- state names
 def _state_words() -> set[str]:
-    from gateway.jobstate import JobState, SlurmState
+    from gateway.jobs.state import JobState, SlurmState
 
     return {s.value for s in JobState} | {s.value for s in SlurmState}
 
@@ -339,7 +339,7 @@ ALLOWED_STATE_WORDS = {
     "gateway/storage/__init__.py:failed": "the fallback text of a broker error",
     "gateway/local.py:RUNNING": "submitit's own LocalJob.state word, not Slurm's",
 }
-PLAYS_SLURM = {"gateway/jobstate.py", "gateway/slurm/fake.py"}   # the vocabulary itself; the argv fake
+PLAYS_SLURM = {"gateway/jobs/state.py", "gateway/slurm/fake.py"}   # the vocabulary itself; the argv fake
 
 
 def state_word_literals(path: Path, words: set[str]) -> list[tuple[str, int, str]]:
@@ -353,7 +353,7 @@ def state_word_literals(path: Path, words: set[str]) -> list[tuple[str, int, str
             and id(n) not in docstrings]
 
 
-def test_state_names_are_spelled_only_in_jobstate() -> None:
+def test_state_names_are_spelled_only_in_jobs_state() -> None:
     words = _state_words()
     bad, used = [], set()
     for path in _modules():
@@ -365,8 +365,8 @@ def test_state_names_are_spelled_only_in_jobstate() -> None:
             if key in ALLOWED_STATE_WORDS:
                 used.add(key)
             else:
-                bad.append(f"{rel}:{line} spells {word!r}: use gateway.jobstate (JobState / SlurmState)")
-    assert bad == [], "state names outside gateway/jobstate.py:\n" + "\n".join(bad)
+                bad.append(f"{rel}:{line} spells {word!r}: use gateway.jobs.state (JobState / SlurmState)")
+    assert bad == [], "state names outside gateway/jobs/state.py:\n" + "\n".join(bad)
     assert used == set(ALLOWED_STATE_WORDS), f"stale ALLOWED_STATE_WORDS: {set(ALLOWED_STATE_WORDS) - used}"
 
 

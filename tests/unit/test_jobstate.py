@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from gateway.jobstate import (
+from gateway.jobs.state import (
     ACTIVE,
     TERMINAL,
     TRANSITIONS,

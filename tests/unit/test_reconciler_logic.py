@@ -14,9 +14,9 @@ from sqlmodel import Session, select
 
 from gateway.config import Settings
 from gateway.db import make_engine, migrate
-from gateway.jobstate import JobState
+from gateway.jobs.reconciler import Reconciler, fine_tuned_model_name
+from gateway.jobs.state import JobState
 from gateway.models import DataFile, FineTuningJob, JobCheckpoint, JobEvent, Tenant, utcnow
-from gateway.reconciler import Reconciler, fine_tuned_model_name
 from gateway.slurm import JobScript, SlurmClient, SlurmCommandError
 from gateway.slurm.fake import FakeSlurm
 from gateway.storage import StorageUnavailable

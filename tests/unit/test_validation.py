@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gateway.validation import Validator, validate_lines, validate_stream
+from gateway.datasets.validation import Validator, validate_lines, validate_stream
 
 DATASETS = Path(__file__).parent.parent / "data" / "datasets"
 EXPECTED: dict[str, dict[str, Any]] = json.loads((DATASETS / "expected.json").read_text())
@@ -80,7 +80,7 @@ def test_chunk_boundaries_do_not_matter(seed: int) -> None:
 
 def test_overlong_line_is_cut_not_buffered() -> None:
     v = Validator(max_line_bytes=1000)
-    from gateway.validation import LineSplitter
+    from gateway.datasets.validation import LineSplitter
 
     s = LineSplitter(v)
     for _ in range(1000):

@@ -3,7 +3,7 @@
 Owns the loop: one cycle = ONE batched Slurm query for all active jobs
 (``SlurmClient.states``: one squeue + at most one sacct) and ONE events read per
 tenant, whatever their number; then per job the trainer's new events
-(``services.progress``), the step ``jobstate.decide`` picks from Slurm's state, and
+(``services.progress``), the step ``jobs.state.decide`` picks from Slurm's state, and
 publication (``services.publication``); then cleanup confirmation, recovery of
 interrupted submissions and the temp sweep. A failed Slurm query changes nothing and
 backs off. It may import the state machine, the services, storage and the Slurm
@@ -23,7 +23,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from gateway.config import Settings
-from gateway.jobstate import Action, Cleanup, Event, FailReason, JobState, decide, from_slurm
+from gateway.jobs.state import Action, Cleanup, Event, FailReason, JobState, decide, from_slurm
 from gateway.models import FineTuningJob, Tenant, utcnow
 from gateway.scrub import ScrubReportError, read_report, report_path
 from gateway.services import ServiceError

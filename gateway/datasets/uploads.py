@@ -18,10 +18,10 @@ from typing import Any
 
 from python_multipart.multipart import MultipartParser, parse_options_header
 
+from gateway.datasets.validation import LineSplitter, Validator
 from gateway.services import ServiceError, StorageFull, TooLarge
 from gateway.storage import TenantStorage
 from gateway.storage import Upload as StoredUpload
-from gateway.validation import LineSplitter, Validator
 
 MAX_FIELD_BYTES = 1024
 FILE_FIELD = "file"
