@@ -418,7 +418,7 @@ def delete_model(*, session: Session, settings: Settings, principal: Principal, 
         session.add(f)
         if f.path:
             paths.append(file_parts(f)[:2])          # the whole artifacts/<art id>/ dir
-    paths += [(*layout.job(job.id), "checkpoints"), (*layout.job(job.id), "attempts")]
+    paths += layout.training_state(job.id)
     update_fields(session, job, fine_tuned_model=None)
     storage_for(settings).tenant(principal.tenant_name).remove(sorted(set(paths)))
 

@@ -17,7 +17,7 @@ from gateway.slurm.policy import QOS_SHOW_FORMAT, QosChange, QosRow, QosTier, di
 from gateway.slurm.records import gpu_count
 from gateway.slurm.runner import CommandResult, Runner, SlurmCommandError
 from gateway.slurm.validate import validate_qos_name, validate_tenant_name
-from gateway.storage.layout import unix_user_for
+from gateway.storage.layout import tenant_root, unix_user_for
 
 ORGANIZATION = "slurm-finetune"
 _QUIET_NOOPS = ("Nothing new added", "Nothing modified", "Nothing to modify")
@@ -142,7 +142,7 @@ class Admin:
             raise SlurmCommandError(["sacctmgr"], 1, f"unknown QOS {sorted(missing)}: "
                                     "apply the QOS policy first (finetune dev-cluster up)")
         user = unix_user_for(name)
-        uid, gid = self._ensure_unix_user(user, self.storage_root / "tenants" / name)
+        uid, gid = self._ensure_unix_user(user, tenant_root(self.storage_root, name))
         self.ensure_parent_account()
         settings = [f"Fairshare={shares}", "QOS=" + ",".join(qos), f"DefaultQOS={qos[0]}"]
         if self._show("account", name, "format=Account"):
@@ -193,7 +193,7 @@ class Admin:
             pw: pwd.struct_passwd | None = pwd.getpwnam(user)
         except KeyError:
             pw = None
-        storage = self.storage_root / "tenants" / account
+        storage = tenant_root(self.storage_root, account)
         try:
             st = storage.stat()
             storage_ok = pw is not None and st.st_uid == pw.pw_uid and (st.st_mode & 0o777) == 0o700

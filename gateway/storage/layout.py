@@ -30,6 +30,7 @@ ART_ID = re.compile(r"^art-[0-9a-f]{24}$")
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 UPLOAD_TMP = re.compile(r"^\.upload-[0-9a-f]{16}\.tmp$")
 PUB_TMP = re.compile(r"^\.pub-ftjob-[0-9a-f]{24}-[0-9a-f]{8}$")
+TENANTS = "tenants"
 RESULT_NAMES = ("adapter.tar", "eval.json", "metrics.csv")
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 
@@ -57,7 +58,7 @@ def unix_user_for(tenant: str) -> str:
 
 def tenant_root(storage_root: Path, tenant: str) -> Path:
     """Absolute tenant root: for the trainer's spec and the onboarding code only."""
-    return storage_root / "tenants" / tenant_name(tenant)
+    return storage_root / TENANTS / tenant_name(tenant)
 
 
 def absolute(storage_root: Path, tenant: str, parts: Parts) -> str:
@@ -92,6 +93,11 @@ def staging(job_id: str, attempt: int) -> Parts:
     if not isinstance(attempt, int) or attempt < 0 or attempt > 10_000:
         raise LayoutError(f"invalid attempt: {attempt!r}")
     return (*job(job_id), "attempts", str(attempt), "staging")
+
+
+def training_state(job_id: str) -> list[Parts]:
+    """What a job's training left behind besides its published results: checkpoints, attempts."""
+    return [(*job(job_id), "checkpoints"), (*job(job_id), "attempts")]
 
 
 def artifact(art_id: str) -> Parts:

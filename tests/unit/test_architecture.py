@@ -374,3 +374,40 @@ def test_the_state_name_rule_catches_a_literal(tmp_path: Path) -> None:
     sneaky = tmp_path / "x.py"
     sneaky.write_text('"""Docstring mentions running."""\nif job.status == "running" or st == "PENDING":\n    pass\n')
     assert [w for w, _, _ in state_word_literals(sneaky, _state_words())] == ["running", "PENDING"]
+
+
+# ----------------------------------------------------------------- tenant paths
+LAYOUT_NAMES = {"tenants", "datasets", "jobs", "artifacts", "attempts", "checkpoints", "staging",
+                "events.jsonl", "spec.json"}
+
+
+def path_spellings(path: Path) -> list[tuple[int, str]]:
+    """(line, name) of each tenant-layout name used to build a path: ``x / "jobs"`` or a
+    parts tuple ``("jobs", ...)``."""
+    tree = ast.parse(path.read_text(), str(path))
+    type_args = {id(n.slice) for n in ast.walk(tree) if isinstance(n, ast.Subscript)}   # Literal["jobs", ...]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            parts = [node.left, node.right]
+        elif isinstance(node, ast.Tuple) and id(node) not in type_args:
+            parts = list(node.elts)
+        else:
+            continue
+        found += [(p.lineno, p.col_offset, p.value) for p in parts
+                  if isinstance(p, ast.Constant) and isinstance(p.value, str) and p.value in LAYOUT_NAMES]
+    return [(line, name) for line, _, name in sorted(found)]
+
+
+def test_tenant_paths_are_spelled_only_in_the_layout_module() -> None:
+    bad = [f"{p.relative_to(ROOT)}:{line} builds a path with {name!r}: use gateway.storage.layout"
+           for p in _modules() if p.relative_to(ROOT).parts[0] in ("gateway", "accounting")
+           and not p.relative_to(ROOT).as_posix().startswith(("gateway/storage/", "gateway/migrations/"))
+           for line, name in path_spellings(p)]
+    assert bad == [], "tenant storage paths outside gateway/storage/layout.py:\n" + "\n".join(bad)
+
+
+def test_the_path_rule_catches_a_spelled_path(tmp_path: Path) -> None:
+    sneaky = tmp_path / "x.py"
+    sneaky.write_text('p = root / "tenants" / t\nq = (*job, "checkpoints")\nlabel = "jobs"\n')
+    assert [n for _, n in path_spellings(sneaky)] == ["tenants", "checkpoints"]
