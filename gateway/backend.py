@@ -18,6 +18,7 @@ from sqlalchemy.engine import Engine
 from gateway.config import Settings
 from gateway.db import open_database
 from gateway.jobs.reconciler import Reconciler
+from gateway.jobs.scheduler import Scheduler
 from gateway.jobs.submission import Submitter
 from gateway.slurm import SlurmClient, make_runner
 from gateway.slurm.runner import SlurmError
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 class Backend:
     settings: Settings
     engine: Engine
-    scheduler: Any              # SlurmClient, gateway.local.LocalScheduler, or None
+    scheduler: Scheduler | None  # SlurmClient, gateway.local.LocalScheduler, or None
     submitter: Submitter | None
     reconciler: Reconciler | None
 
@@ -42,7 +43,7 @@ def slurm_available(runner: Any) -> bool:
         return False
 
 
-def scheduler_for(settings: Settings) -> Any:
+def scheduler_for(settings: Settings) -> Scheduler | None:
     """The scheduler jobs go to: the local one (local mode), the Slurm client when Slurm
     answers, else None."""
     if settings.local:
@@ -53,7 +54,8 @@ def scheduler_for(settings: Settings) -> Any:
     return SlurmClient(runner, timeout=settings.slurm_timeout_s) if slurm_available(runner) else None
 
 
-def build_backend(settings: Settings, *, scheduler: Any = None, run_migrations: bool = True) -> Backend:
+def build_backend(settings: Settings, *, scheduler: Scheduler | None = None,
+                  run_migrations: bool = True) -> Backend:
     """Database, scheduler (``scheduler`` given, else ``scheduler_for``), Submitter, Reconciler."""
     engine = open_database(settings, run_migrations=run_migrations)
     if scheduler is None:

@@ -17,12 +17,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
 
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from gateway.config import Settings
+from gateway.jobs.scheduler import Scheduler
 from gateway.jobs.state import Action, Cleanup, Event, FailReason, JobState, decide, from_slurm
 from gateway.models import FineTuningJob, Tenant, utcnow
 from gateway.scrub import ScrubReportError, read_report, report_path
@@ -33,7 +33,7 @@ from gateway.services.progress import ingest_events, trainer_failure
 from gateway.services.publication import fine_tuned_model_name as fine_tuned_model_name  # re-exported
 from gateway.services.publication import publish_attempt
 from gateway.services.recovery import resubmittable_spec
-from gateway.slurm.client import JobStatus, SlurmClient
+from gateway.slurm.client import JobStatus
 from gateway.slurm.runner import SlurmError
 from gateway.storage import storage_for
 
@@ -55,7 +55,8 @@ class CycleStats:
 class Reconciler:
     """Owns the Slurm client; ``cycle`` once, or ``run`` in a thread until stopped."""
 
-    def __init__(self, engine: Engine, settings: Settings, client: SlurmClient, submitter: Any = None):
+    def __init__(self, engine: Engine, settings: Settings, client: Scheduler,
+                 submitter: job_service.Submit | None = None):
         self.engine, self.settings, self.client, self.submitter = engine, settings, client, submitter
         self.storage = storage_for(settings)
         self.stop = threading.Event()

@@ -4,24 +4,24 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from gateway.config import Settings
+from gateway.jobs.scheduler import Scheduler
 from gateway.models import FineTuningJob
+from gateway.services import jobs as job_service
 from gateway.services.jobs import pick_qos
 from gateway.slurm.admin import Admin, unix_user_for
-from gateway.slurm.client import SlurmClient
 from gateway.slurm.render import JobScript
 from gateway.storage import TenantRunner, storage_for
 
-Submit = Callable[[FineTuningJob, dict[str, Any], str], tuple[int, str]]
+Submit = job_service.Submit        # the seam services call; Submitter is its implementation
 
 
 class Submitter:
     """``submit(job, spec, tenant) -> (slurm job id, qos)``; raises SlurmError with Slurm's text."""
 
-    def __init__(self, settings: Settings, client: SlurmClient, qos_ttl_s: float = 60.0):
+    def __init__(self, settings: Settings, client: Scheduler, qos_ttl_s: float = 60.0):
         self.settings, self.client, self.qos_ttl_s = settings, client, qos_ttl_s
         self._qos: dict[str, tuple[float, tuple[str, ...]]] = {}
         self._lock = threading.Lock()

@@ -11,9 +11,10 @@ import hashlib
 import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
@@ -26,6 +27,12 @@ from gateway.services import Conflict, NotFound, ServiceError
 from gateway.services.files import get_file
 from gateway.services.tokens import Principal
 from gateway.storage import layout
+
+if TYPE_CHECKING:
+    from trainer.catalog import CatalogEntry
+
+Submit = Callable[[FineTuningJob, dict[str, Any], str], tuple[int, str]]
+"""``submit(job, spec, tenant) -> (scheduler job id, qos)``: ``jobs.submission.Submitter``."""
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +195,7 @@ def build_hyperparameters(raw: dict[str, Any]) -> dict[str, Any]:
     return hp
 
 
-def _catalog_entry(settings: Settings, name: str) -> Any:
+def _catalog_entry(settings: Settings, name: str) -> CatalogEntry:
     from trainer import catalog
 
     entries = catalog.list_models(settings.models_root)
@@ -220,7 +227,7 @@ def pick_qos(allowed: tuple[str, ...], minutes: int) -> str:
 
 
 def create_job(*, session: Session, settings: Settings, principal: Principal, req: JobRequest,
-               submit: Any) -> FineTuningJob:
+               submit: Submit) -> FineTuningJob:
     """Validate, admit, record and submit a job. ``submit(job, spec, tenant) -> (id, qos)`` runs sbatch.
 
     The same Idempotency-Key with the same body returns the same job; with another
@@ -228,6 +235,8 @@ def create_job(*, session: Session, settings: Settings, principal: Principal, re
     (the reconciler adopts or resubmits it).
     """
     tid = _tenant_id(principal)
+    tenant_name = principal.tenant_name
+    assert tenant_name is not None          # _tenant_id refused a principal without a tenant
     if req.idempotency_key:
         existing = session.exec(select(FineTuningJob).where(
             FineTuningJob.tenant_id == tid, FineTuningJob.idempotency_key == req.idempotency_key)).first()
@@ -248,7 +257,7 @@ def create_job(*, session: Session, settings: Settings, principal: Principal, re
                         suffix=req.suffix, seed=req.seed, meta=req.metadata,
                         idempotency_key=req.idempotency_key, request_hash=req.digest(),
                         estimated_tokens=tokens, time_limit_min=minutes)
-    spec = job_spec(settings, principal, job, train, val, entry)  # validates hp before any row exists
+    spec = job_spec(settings, tenant_name, job, train, val, entry)  # validates hp before any row exists
     try:
         with session.begin_nested():
             session.add(job)
@@ -294,25 +303,25 @@ def job_dir(settings: Settings, tenant: str, job_id: str) -> str:
     return layout.absolute(settings.storage_root, tenant, layout.job(job_id))
 
 
-def job_spec(settings: Settings, principal: Principal, job: FineTuningJob, train: DataFile,
-             val: DataFile | None, entry: Any) -> dict[str, Any]:
-    """The trainer's spec for ``job``; ServiceError naming the field if it is invalid."""
+def job_spec(settings: Settings, tenant: str, job: FineTuningJob, train: DataFile,
+             val: DataFile | None, entry: CatalogEntry) -> dict[str, Any]:
+    """The trainer's spec for ``job`` of ``tenant`` (plain values: creation and recovery build
+    it the same way); ServiceError naming the field if it is invalid."""
     from gateway.services.files import file_parts
     from trainer.errors import SpecError
     from trainer.spec import parse_spec
 
-    assert principal.tenant_name is not None
     hp = dict(job.hyperparameters or {})
     top = {k: hp.pop(k) for k in ("checkpoint_every_steps", "keep_checkpoints") if k in hp}
     spec: dict[str, Any] = {
         "job_id": job.id,
         "base_model": {"name": job.model, "digest": entry.digest, "catalog_root": str(settings.models_root)},
-        "train": {"path": layout.absolute(settings.storage_root, principal.tenant_name, file_parts(train)),
+        "train": {"path": layout.absolute(settings.storage_root, tenant, file_parts(train)),
                   "sha256": train.sha256},
-        "validation": ({"path": layout.absolute(settings.storage_root, principal.tenant_name, file_parts(val)),
+        "validation": ({"path": layout.absolute(settings.storage_root, tenant, file_parts(val)),
                         "sha256": val.sha256} if val else None),
         "hyperparameters": hp,
-        "job_dir": job_dir(settings, principal.tenant_name, job.id),
+        "job_dir": job_dir(settings, tenant, job.id),
         "checkpoint_every_steps": top.get("checkpoint_every_steps", settings.checkpoint_every_steps),
         **({"keep_checkpoints": top["keep_checkpoints"]} if "keep_checkpoints" in top else {}),
     }
@@ -342,7 +351,7 @@ def saved_spec_matches(saved: bytes | None, expected: dict[str, Any]) -> bool:
 
 
 def submit_job(*, session: Session, job: FineTuningJob, spec: dict[str, Any], tenant: str,
-               submit: Any) -> None:
+               submit: Submit) -> None:
     """Run sbatch through ``submit`` and record the outcome (QUEUED, or FAILED with Slurm's words)."""
     from gateway.slurm.runner import SlurmError
 

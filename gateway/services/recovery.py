@@ -12,10 +12,9 @@ from typing import Any
 from sqlmodel import Session
 
 from gateway.config import Settings
-from gateway.models import DataFile, FineTuningJob, Role, Tenant
+from gateway.models import DataFile, FineTuningJob, Tenant
 from gateway.services import ServiceError
 from gateway.services import jobs as job_service
-from gateway.services.tokens import Principal
 from gateway.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -44,11 +43,10 @@ def _rebuilt_spec(session: Session, settings: Settings, job: FineTuningJob, tena
     val = session.get(DataFile, job.validation_file) if job.validation_file else None
     if train is None or train.deleted_at is not None or (val is not None and val.deleted_at is not None):
         return None
-    owner = Principal(0, Role.MEMBER, tenant.id, tenant.name, tenant.unix_user)
     try:
         entry = job_service._catalog_entry(settings, job.model)   # looked up at call time (tests patch it)
         if job.model_digest and entry.digest != job.model_digest:
             return None
-        return job_service.job_spec(settings, owner, job, train, val, entry)
+        return job_service.job_spec(settings, tenant.name, job, train, val, entry)
     except ServiceError:
         return None

@@ -1,0 +1,25 @@
+"""The seam between a job's life and what runs it: ``SlurmClient`` (the cluster) and
+``gateway.local.LocalScheduler`` (local mode) both satisfy ``Scheduler``; the reconciler,
+the Submitter and the composition root see only this."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from gateway.slurm.client import CancelResult, JobStatus
+from gateway.slurm.render import JobScript
+
+
+class Scheduler(Protocol):
+    runner: Any     # the Slurm runner (sacctmgr for QOS lookups); None in local mode
+
+    def submit(self, job: JobScript, *, user: str | None = None, group: str | None = None,
+               runner: Any = None) -> int: ...
+
+    def states(self, job_ids: Iterable[int]) -> dict[int, JobStatus]: ...
+
+    def cancel(self, job_id: int, *, deadline_s: float = 30.0, poll_s: float = 0.25,
+               kill_wait_s: float = 60.0) -> CancelResult: ...
+
+    def find_by_name(self, names: Iterable[str]) -> dict[str, int]: ...
