@@ -230,9 +230,9 @@ class LocalScheduler:
             self._jobs.pop(jid, None)         # reaped by submitit's poll
         done = _read_json(folder / "exit.json")
         cancelled = (folder / "cancel").exists()
+        submitted, name, account = _iso(meta.get("submit")), str(meta.get("name")), str(meta.get("account"))
         if done is None and self._alive(folder / "pid"):
-            q = rec.QueueRecord(jid, S.RUNNING, None, self._user(), str(meta.get("account")), QOS,
-                                _iso(meta.get("submit")), _iso(meta.get("submit")), NODE, str(meta.get("name")), 0)
+            q = rec.QueueRecord(jid, S.RUNNING, None, self._user(), account, QOS, submitted, submitted, NODE, name, 0)
             return JobStatus(jid, S.RUNNING, None, "squeue", queue=q)
         rc = done.get("rc") if done else None
         if cancelled:
@@ -245,10 +245,8 @@ class LocalScheduler:
             state = S.FAILED
         code = (rc, 0) if isinstance(rc, int) and rc >= 0 else (0, -rc if isinstance(rc, int) else 9)
         reason = None if done else "the job's processes ended without an exit status"
-        a = rec.AcctRecord(str(jid), jid, str(meta.get("name")), self._user(), str(meta.get("account")), QOS,
-                           state, code, reason, _iso(meta.get("submit")), _iso(meta.get("submit")),
-                           _iso(meta.get("submit")), _iso(done.get("end")) if done else None, None, "", "",
-                           NODE, None)
+        a = rec.AcctRecord(str(jid), jid, name, self._user(), account, QOS, state, code, reason, submitted,
+                           submitted, submitted, _iso(done.get("end")) if done else None, None, "", "", NODE, None)
         return JobStatus(jid, state, reason, "sacct", acct=a)
 
     @staticmethod

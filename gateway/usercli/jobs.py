@@ -54,7 +54,7 @@ def create_job(training_file: str, validation_file: str | None, model: str, epoc
                learning_rate_multiplier: float | None, lora_r: int | None, batch_size_tokens: int | None,
                max_seq_len: int | None, suffix: str | None, seed: int | None, idempotency_key: str | None,
                extra: tuple[str, ...], as_json: bool) -> None:
-    """Create a fine-tuning job; it is queued on Slurm at once."""
+    """Create a fine-tuning job; it is submitted at once (to Slurm; in local mode it starts on this machine)."""
     named = {"n_epochs": epochs, "learning_rate_multiplier": learning_rate_multiplier, "lora_r": lora_r,
              "batch_size_tokens": batch_size_tokens, "max_seq_len": max_seq_len}
     hp = {**{k: v for k, v in named.items() if v is not None}, **_parse_hp(extra)}
