@@ -17,11 +17,11 @@ from sqlalchemy.engine import Engine
 
 from gateway.config import Settings
 from gateway.db import open_database
+from gateway.errors import SlurmError
 from gateway.jobs.reconciler import Reconciler
 from gateway.jobs.scheduler import Scheduler
 from gateway.jobs.submission import Submitter
 from gateway.slurm import SlurmClient, make_runner
-from gateway.slurm.runner import SlurmError
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,7 @@ from typing import Any
 
 import click
 
-from gateway.services import ServiceError
-from gateway.slurm.runner import SlurmError
+from gateway.errors import ServiceError, SlurmError
 
 
 def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:

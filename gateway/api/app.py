@@ -15,7 +15,7 @@ from gateway.access import Policy, undeclared_routes
 from gateway.api.deps import access
 from gateway.api.errors import error_body
 from gateway.config import Settings
-from gateway.services import ServiceError
+from gateway.errors import ServiceError
 
 log = logging.getLogger("gateway.api")
 

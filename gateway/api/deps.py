@@ -15,14 +15,8 @@ from sqlmodel import Session
 from gateway.access import OPERATOR_ROLES, Policy, admits, declares, refusal
 from gateway.config import Settings
 from gateway.db import session_scope
-from gateway.services import Forbidden, ServiceError
+from gateway.errors import Forbidden, Unauthorized
 from gateway.services.tokens import Principal, authenticate
-
-
-class Unauthorized(ServiceError):
-    status = 401
-    code = "invalid_api_key"
-
 
 # Dependencies are ``async def`` on purpose: FastAPI runs plain ``def`` dependencies in its
 # thread pool, one hop each; these do at most a sub-millisecond query, so they run inline

@@ -12,8 +12,8 @@ from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep, access
 from gateway.api.fastjson import FastJSON
 from gateway.datasets.uploads import receive
 from gateway.datasets.validation import Validator
+from gateway.errors import ServiceError, TooLarge
 from gateway.models import DataFile
-from gateway.services import ServiceError, TooLarge
 from gateway.services import files as svc
 
 router = APIRouter(prefix="/v1/files", tags=["files"], dependencies=[access(Policy.TENANT)])

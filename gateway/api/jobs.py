@@ -10,9 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.access import Policy
 from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep, access
 from gateway.api.fastjson import FastJSON
+from gateway.errors import ServiceError
 from gateway.jobs.state import JobState
 from gateway.models import FineTuningJob, JobCheckpoint, JobEvent
-from gateway.services import ServiceError
 from gateway.services import jobs as svc
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"], dependencies=[access(Policy.TENANT)])

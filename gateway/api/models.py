@@ -9,8 +9,8 @@ from fastapi import APIRouter
 
 from gateway.access import Policy
 from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep, access
+from gateway.errors import NotFound
 from gateway.models import FineTuningJob
-from gateway.services import NotFound
 from gateway.services import jobs as jobs_svc
 
 router = APIRouter(prefix="/v1/models", tags=["models"])

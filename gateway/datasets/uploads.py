@@ -19,7 +19,7 @@ from typing import Any
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from gateway.datasets.validation import LineSplitter, Validator
-from gateway.services import ServiceError, StorageFull, TooLarge
+from gateway.errors import ServiceError, StorageFull, TooLarge
 from gateway.storage import TenantStorage
 from gateway.storage import Upload as StoredUpload
 

@@ -22,11 +22,11 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from gateway.config import Settings
+from gateway.errors import ServiceError, SlurmError
 from gateway.jobs.scheduler import Scheduler
 from gateway.jobs.state import Action, Cleanup, Event, FailReason, JobState, decide, from_slurm
 from gateway.models import FineTuningJob, Tenant, utcnow
 from gateway.scrub import ScrubReportError, read_report, report_path
-from gateway.services import ServiceError
 from gateway.services import jobs as job_service
 from gateway.services.jobs import StaleJob, add_event, apply_event, update_fields
 from gateway.services.progress import ingest_events, trainer_failure
@@ -34,7 +34,6 @@ from gateway.services.publication import fine_tuned_model_name as fine_tuned_mod
 from gateway.services.publication import publish_attempt
 from gateway.services.recovery import resubmittable_spec
 from gateway.slurm.client import JobStatus
-from gateway.slurm.runner import SlurmError
 from gateway.storage import storage_for
 
 log = logging.getLogger(__name__)

@@ -7,15 +7,28 @@ import time
 from typing import Any
 
 from gateway.config import Settings
+from gateway.errors import ServiceError
 from gateway.jobs.scheduler import Scheduler
 from gateway.models import FineTuningJob
 from gateway.services import jobs as job_service
-from gateway.services.jobs import pick_qos
 from gateway.slurm.admin import Admin, unix_user_for
 from gateway.slurm.render import JobScript
 from gateway.storage import TenantRunner, storage_for
 
 Submit = job_service.Submit        # the seam services call; Submitter is its implementation
+
+QOS_TIERS: tuple[tuple[str, int], ...] = (("ft-small", 240), ("ft-standard", 1440), ("ft-large", 4320))
+"""The tiers ``finetune tenants add`` creates, smallest first, with their MaxWall in minutes."""
+
+
+def pick_qos(allowed: tuple[str, ...], minutes: int) -> str:
+    """The smallest tier that fits the time; tiers the tenant lacks are skipped."""
+    for tier, max_min in QOS_TIERS:
+        if minutes <= max_min and tier in allowed:
+            return tier
+    if not allowed:
+        raise ServiceError("the tenant has no QOS tier: ask your administrator")
+    return allowed[0]
 
 
 class Submitter:
@@ -42,9 +55,13 @@ class Submitter:
             self._qos[tenant] = (time.monotonic(), allowed)
         return allowed
 
+    def qos_for(self, tenant: str, minutes: int) -> str:
+        """The QOS tier a job of ``minutes`` would get (used by admission and the portal's estimate)."""
+        return pick_qos(self.allowed_qos(tenant), minutes)
+
     def __call__(self, job: FineTuningJob, spec: dict[str, Any], tenant: str) -> tuple[int, str]:
         user = unix_user_for(tenant)
-        qos = pick_qos(self.allowed_qos(tenant), job.time_limit_min or 60)
+        qos = self.qos_for(tenant, job.time_limit_min or 60)
         store = storage_for(self.settings).tenant(tenant)
         spec_path = store.write_spec(job.id, spec)       # as the tenant, through the broker
         script = JobScript(

@@ -9,9 +9,9 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 
 from gateway.access import Policy
 from gateway.api.deps import SettingsDep
+from gateway.errors import Forbidden
 from gateway.portal.session import PortalUser
 from gateway.portal.web import PortalRoute, UserDep, portal_access, render
-from gateway.services import Forbidden
 from gateway.services import cluster as cluster_svc
 
 router = APIRouter(prefix="/portal/admin", route_class=PortalRoute, include_in_schema=False,

@@ -12,10 +12,10 @@ from gateway.api.deps import SessionDep, SettingsDep
 from gateway.config import Settings
 from gateway.datasets.uploads import receive
 from gateway.datasets.validation import Validator
+from gateway.errors import TooLarge
 from gateway.models import DataFile
 from gateway.portal.session import CSRF_FIELD, CSRF_HEADER, check_csrf
 from gateway.portal.web import PortalRoute, UserDep, portal_access, render, wants_json
-from gateway.services import TooLarge
 from gateway.services import files as svc
 
 router = APIRouter(prefix="/portal", route_class=PortalRoute, include_in_schema=False,

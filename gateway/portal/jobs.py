@@ -12,6 +12,7 @@ from sqlmodel import Session
 from gateway.access import Policy
 from gateway.api.deps import SessionDep, SettingsDep
 from gateway.config import Settings
+from gateway.errors import NotFound, ServiceError
 from gateway.jobs.state import Cleanup, JobState
 from gateway.models import DataFile, FileStatus, FineTuningJob
 from gateway.portal.datasets import DATASETS, catalog_names
@@ -26,7 +27,6 @@ from gateway.portal.jobviews import (
 )
 from gateway.portal.session import PortalUser, check_csrf
 from gateway.portal.web import PortalRoute, UserDep, env, portal_access, render
-from gateway.services import NotFound, ServiceError
 from gateway.services import files as files_svc
 from gateway.services import jobs as svc
 
@@ -84,7 +84,7 @@ def _estimate(request: Request, session: Session, settings: Settings, user: Port
     qos = None
     if submitter is not None and user.principal.tenant_name:
         try:
-            qos = svc.pick_qos(submitter.allowed_qos(user.principal.tenant_name), minutes)
+            qos = submitter.qos_for(user.principal.tenant_name, minutes)
         except (ServiceError, KeyError):
             qos = None
     return {"tokens": tokens, "minutes": minutes, "qos": qos, "epochs": epochs,

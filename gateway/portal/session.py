@@ -30,8 +30,8 @@ from fastapi import Request
 from sqlmodel import Session
 
 from gateway.config import Settings
+from gateway.errors import BadSetting, CsrfRefused, ServiceError
 from gateway.models import ApiToken, PortalSession, Role, Tenant
-from gateway.services import Forbidden, ServiceError
 from gateway.services.portal_sessions import end_session, record_session
 from gateway.services.tokens import Principal
 
@@ -46,15 +46,6 @@ SECURE_MODES = ("auto", "always", "never")     # Settings.cookie_secure
 
 class NeedLogin(Exception):
     """No valid session: the route answers with a redirect to the sign-in page."""
-
-
-class CsrfRefused(Forbidden):
-    code = "csrf_failed"
-
-
-class BadSetting(ServiceError):
-    status = 500
-    code = "bad_setting"
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway.access import OPERATOR_ROLES, Policy, admits, declares, refusal
 from gateway.api.deps import get_session, now_for
 from gateway.api.limits import SCOPE_FLAG as BODY_TOO_LARGE
+from gateway.errors import Forbidden, ServiceError
 from gateway.portal.session import NeedLogin, PortalUser, current_user
-from gateway.services import Forbidden, ServiceError
 
 log = logging.getLogger("gateway.portal")
 HERE = Path(__file__).parent

@@ -13,8 +13,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from gateway.config import Settings
-from gateway.services import ServiceError
-from gateway.slurm.runner import SlurmError
+from gateway.errors import ClusterError, ServiceError, SlurmError
 
 if TYPE_CHECKING:
     from accounting.fairshare import FairshareReport
@@ -23,13 +22,6 @@ if TYPE_CHECKING:
     from gateway.slurm.admin import Tenant
     from gateway.slurm.policy import QosRow
     from gateway.slurm.records import DrainedNode
-
-
-class ClusterError(ServiceError):
-    """A Slurm command behind a cluster page failed; the message is the command's own error."""
-
-    status = 502
-    code = "slurm_error"
 
 
 def require_cluster(client: Any) -> Any:

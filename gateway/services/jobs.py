@@ -21,9 +21,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from gateway.config import Settings
+from gateway.errors import Conflict, NotFound, ServiceError, TooManyJobs
 from gateway.jobs.state import ACTIVE, Event, FailReason, JobState, transition
 from gateway.models import DataFile, FileStatus, FineTuningJob, JobCheckpoint, JobEvent, utcnow
-from gateway.services import Conflict, NotFound, ServiceError
 from gateway.services.files import get_file
 from gateway.services.tokens import Principal
 from gateway.storage import layout
@@ -42,11 +42,6 @@ OPENAI_HP = {"n_epochs": "epochs", "learning_rate_multiplier": "learning_rate_mu
 BASE_LEARNING_RATE = 2e-4
 DEFAULT_EPOCHS = 3
 MAX_EPOCHS = 100   # trainer.spec.Hyperparameters.epochs
-
-
-class TooManyJobs(ServiceError):
-    status = 429
-    code = "rate_limit_exceeded"
 
 
 class StaleJob(Exception):
@@ -104,7 +99,7 @@ def add_event(session: Session, job_id: str, message: str, *, level: str = "info
 # ------------------------------------------------------------------------ reads
 def _tenant_id(principal: Principal) -> int:
     if principal.tenant_id is None:
-        from gateway.services import Forbidden
+        from gateway.errors import Forbidden
 
         raise Forbidden("this route needs a tenant token (member or tenant admin)")
     return principal.tenant_id
@@ -214,16 +209,6 @@ def estimate(settings: Settings, train: DataFile, epochs: int) -> tuple[int, int
     training_tokens = int(tokens) * epochs
     seconds = training_tokens / settings.throughput_tokens_per_s + settings.job_overhead_s
     return training_tokens, max(5, math.ceil(1.5 * seconds / 60))
-
-
-def pick_qos(allowed: tuple[str, ...], minutes: int) -> str:
-    """The smallest tier that fits the time; tiers the tenant lacks are skipped."""
-    for tier, max_min in (("ft-small", 240), ("ft-standard", 1440), ("ft-large", 4320)):
-        if minutes <= max_min and tier in allowed:
-            return tier
-    if not allowed:
-        raise ServiceError("the tenant has no QOS tier: ask your administrator")
-    return allowed[0]
 
 
 def create_job(*, session: Session, settings: Settings, principal: Principal, req: JobRequest,
@@ -353,7 +338,7 @@ def saved_spec_matches(saved: bytes | None, expected: dict[str, Any]) -> bool:
 def submit_job(*, session: Session, job: FineTuningJob, spec: dict[str, Any], tenant: str,
                submit: Submit) -> None:
     """Run sbatch through ``submit`` and record the outcome (QUEUED, or FAILED with Slurm's words)."""
-    from gateway.slurm.runner import SlurmError
+    from gateway.errors import SlurmError
 
     try:
         slurm_id, qos = submit(job, spec, tenant)

@@ -14,10 +14,10 @@ from __future__ import annotations
 from sqlmodel import Session
 
 from gateway.config import Settings
+from gateway.errors import Conflict, ServiceError
 from gateway.jobs import publish
 from gateway.jobs.state import Cleanup, Event, FailReason
 from gateway.models import DataFile, FineTuningJob, new_id, utcnow
-from gateway.services import Conflict, ServiceError
 from gateway.services.jobs import apply_event
 from gateway.storage import Storage, layout
 

@@ -12,8 +12,8 @@ from typing import Any
 from sqlmodel import Session
 
 from gateway.config import Settings
+from gateway.errors import ServiceError
 from gateway.models import DataFile, FineTuningJob, Tenant
-from gateway.services import ServiceError
 from gateway.services import jobs as job_service
 from gateway.storage import Storage
 

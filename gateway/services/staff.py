@@ -28,8 +28,8 @@ from gateway.access import (
     parse_resource,
     request_state,
 )
+from gateway.errors import Conflict, Forbidden, NotFound, ServiceError
 from gateway.models import AccessRequest, AuditEntry, DataFile, FineTuningJob, JobEvent, Role, Tenant
-from gateway.services import Conflict, Forbidden, NotFound, ServiceError
 from gateway.services.tokens import Principal, decide_refusal
 
 Clock = Callable[[Any], datetime]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from sqlmodel import Session, select
 
+from gateway.errors import NotFound
 from gateway.models import Tenant
-from gateway.services import NotFound
 from gateway.slurm.admin import unix_user_for
 from gateway.slurm.validate import validate_tenant_name
 

@@ -29,8 +29,8 @@ from sqlmodel import Session, col, select
 
 from gateway import audit
 from gateway.access import OPERATOR_ROLES
+from gateway.errors import Conflict, Forbidden, NotFound, ServiceError
 from gateway.models import TENANT_ROLES, ApiToken, Role, Tenant, utcnow
-from gateway.services import Conflict, Forbidden, NotFound, ServiceError
 
 TOKEN_PREFIX = "sft_"
 

@@ -1,15 +1,9 @@
 """The only package that runs Slurm (and other system) binaries."""
 
+from gateway.errors import SlurmError
 from gateway.slurm.client import CancelResult, JobStatus, SlurmClient
 from gateway.slurm.render import JobScript, RenderError, render_sbatch
-from gateway.slurm.runner import (
-    LocalRunner,
-    Runner,
-    SlurmCommandError,
-    SlurmError,
-    SSHRunner,
-    SSHTarget,
-)
+from gateway.slurm.runner import LocalRunner, Runner, SlurmCommandError, SSHRunner, SSHTarget
 from gateway.slurm.validate import InvalidNameError, validate_tenant_name
 
 __all__ = [

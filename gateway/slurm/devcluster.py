@@ -25,9 +25,10 @@ from importlib import resources
 from pathlib import Path
 from string import Template
 
+from gateway.errors import SlurmError
 from gateway.slurm.admin import Admin
 from gateway.slurm.policy import load_policy
-from gateway.slurm.runner import LocalRunner, SlurmCommandError, SlurmError
+from gateway.slurm.runner import LocalRunner, SlurmCommandError
 
 MARKER = "# slurm-finetune dev cluster"
 APT_PACKAGES = ("slurm-wlm", "slurmctld", "slurmd", "slurmdbd", "slurm-client", "munge",

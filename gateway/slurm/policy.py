@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from gateway.errors import SlurmError
 from gateway.slurm.records import gpu_count
-from gateway.slurm.runner import SlurmError
 from gateway.slurm.validate import validate_qos_name
 
 _WALL_RE = re.compile(r"^(?:(\d+)-)?(\d{1,2}):(\d{2}):(\d{2})$")

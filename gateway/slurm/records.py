@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+from gateway.errors import SlurmError
 from gateway.jobs.state import SlurmState
-from gateway.slurm.runner import SlurmError
 
 # ASCII unit separator: cannot occur in account, user, QOS or job names.
 DELIM = "\x1f"

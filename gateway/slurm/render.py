@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from string import Template
 
-from gateway.slurm.runner import SlurmError
+from gateway.errors import SlurmError
 
 _DIRECTIVE_SAFE = re.compile(r"^[A-Za-z0-9._/@:+=,-]+$")
 _ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")

@@ -17,11 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from gateway.errors import SlurmError
+
 DEFAULT_TIMEOUT_S = 60.0
-
-
-class SlurmError(Exception):
-    """Base class of every error raised by gateway.slurm."""
 
 
 # Slurm's own words → what the user can do about them.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from gateway.slurm.runner import SlurmError
+from gateway.errors import SlurmError
 
 TENANT_RE = re.compile(r"^[a-z][a-z0-9_-]{1,23}$")
 _UNIX_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")

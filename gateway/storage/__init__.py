@@ -26,28 +26,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.services import Conflict, NotFound, ServiceError, StorageFull
+from gateway.errors import (
+    Conflict,
+    NotFound,
+    ServiceError,
+    StorageFailed,
+    StorageFull,
+    StorageTampered,
+    StorageUnavailable,
+)
 from gateway.storage import layout, safefs
 from gateway.storage.broker import BrokerError, recv_msg, reply_error, run_verb, send_msg
 from gateway.storage.verbs import Reply
 
-__all__ = ["Storage", "StorageUnavailable", "TenantRunner", "TenantStorage", "Upload", "create_tenant_root",
+__all__ = ["Storage", "TenantRunner", "TenantStorage", "Upload", "create_tenant_root",
            "layout", "storage_for"]
-
-
-class StorageUnavailable(ServiceError):
-    status = 503
-    code = "storage_unavailable"
-
-
-class StorageTampered(ServiceError):
-    status = 409
-    code = "storage_tampered"
-
-
-class StorageFailed(ServiceError):
-    status = 500
-    code = "storage_error"
 
 
 def _error(code: str, message: str) -> ServiceError:

@@ -31,7 +31,7 @@ def test_epochs_that_are_not_whole_numbers_are_a_400_not_a_500() -> None:
     # found by test_abuse.py: {"n_epochs": "{{7*7}}"} raised ValueError in int() (HTTP 500)
     import pytest
 
-    from gateway.services import ServiceError
+    from gateway.errors import ServiceError
     from gateway.services.jobs import MAX_EPOCHS, _epochs
     from trainer.spec import Hyperparameters
 

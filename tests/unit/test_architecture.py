@@ -411,3 +411,44 @@ def test_the_path_rule_catches_a_spelled_path(tmp_path: Path) -> None:
     sneaky = tmp_path / "x.py"
     sneaky.write_text('p = root / "tenants" / t\nq = (*job, "checkpoints")\nlabel = "jobs"\n')
     assert [n for _, n in path_spellings(sneaky)] == ["tenants", "checkpoints"]
+
+
+# ----------------------------------------------------------------- error classes
+
+ERROR_BASES = {"ServiceError", "SlurmError"}
+
+
+def error_definitions(path: Path) -> list[tuple[int, str]]:
+    """Classes in ``path`` that define a cross-layer error family or extend ServiceError's."""
+    service_family = _service_family()
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ClassDef):
+            bases = {b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else ""
+                     for b in node.bases}
+            if node.name in ERROR_BASES or bases & service_family:
+                found.append((node.lineno, node.name))
+    return found
+
+
+def _service_family() -> set[str]:
+    tree = ast.parse((ROOT / "gateway" / "errors.py").read_text())
+    family = {"ServiceError"}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and {getattr(b, "id", "") for b in node.bases} & family:
+            family.add(node.name)
+    return family
+
+
+def test_request_errors_are_defined_only_in_gateway_errors() -> None:
+    bad = [f"{p.relative_to(ROOT)}:{line} defines {name}: put it in gateway/errors.py"
+           for p in _modules() if p.relative_to(ROOT).as_posix() != "gateway/errors.py"
+           for line, name in error_definitions(p)]
+    assert bad == [], "error classes outside gateway/errors.py:\n" + "\n".join(bad)
+
+
+def test_the_error_rule_catches_a_local_service_error(tmp_path: Path) -> None:
+    sneaky = tmp_path / "x.py"
+    sneaky.write_text("from gateway.errors import NotFound\nclass Gone(NotFound):\n    status = 410\n"
+                      "class SlurmError(Exception):\n    pass\nclass Fine(ValueError):\n    pass\n")
+    assert [n for _, n in error_definitions(sneaky)] == ["Gone", "SlurmError"]
