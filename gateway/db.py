@@ -97,7 +97,7 @@ def session_scope(engine: Engine) -> Iterator[Session]:
 def open_database(settings: Any, *, run_migrations: bool = True) -> Engine:
     """The engine of ``settings.database_url``, migrated to head, its audit chain anchored in
     ``settings.audit_key_file``: what every process that writes the gateway's DB starts with."""
-    from gateway import audit
+    from gateway.access import audit
 
     engine = make_engine(settings.database_url)
     audit.use_key_file(engine, settings.audit_key_file)

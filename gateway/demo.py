@@ -156,8 +156,8 @@ def _replies(model_dir: Path, adapter_dir: Path, prompts: list[str],
 
 
 def _mint_token(settings: Settings) -> str:
+    from gateway.access.tokens import onboarding_token
     from gateway.db import open_database
-    from gateway.services.tokens import onboarding_token
 
     engine = open_database(settings)
     try:

@@ -318,9 +318,9 @@ def onboard(settings: Settings, tenant: str) -> str | None:
     use); returns the token, or None when the database has tenants already (e.g. the demo's)."""
     from sqlmodel import select
 
+    from gateway.access.tokens import onboarding_token
     from gateway.db import open_database, session_scope
     from gateway.models import Tenant
-    from gateway.services.tokens import onboarding_token
 
     engine = open_database(settings)
     try:

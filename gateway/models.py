@@ -81,7 +81,7 @@ class ApiToken(SQLModel, table=True):
     token_hash: str = Field(index=True, unique=True, max_length=64)
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     revoked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
-    # Provenance (gateway.services.tokens): who minted it, and whether an operator (the
+    # Provenance (gateway.access.tokens): who minted it, and whether an operator (the
     # root CLI, or a token descending from an operator's mint) may hold the secret.
     minted_by: str = Field(default="", max_length=100)
     minted_by_token_id: int | None = None
@@ -207,7 +207,7 @@ class AccessRequest(SQLModel, table=True):
 
 
 class AuditEntry(SQLModel, table=True):
-    """One append-only audit record, hash-chained to the one before (gateway.audit)."""
+    """One append-only audit record, hash-chained to the one before (gateway.access.audit)."""
 
     __tablename__ = "audit_log"
 
@@ -234,7 +234,7 @@ class AuditHead(SQLModel, table=True):
     seq: int = 0
     hash: str = Field(max_length=64)
     mac: str | None = Field(default=None, max_length=64)       # HMAC-SHA256(key file, seq + hash)
-    key_id: str | None = Field(default=None, max_length=16)    # which key made it (gateway.audit.key_id)
+    key_id: str | None = Field(default=None, max_length=16)    # which key made it (gateway.access.audit.key_id)
 
 
 class PortalSession(SQLModel, table=True):

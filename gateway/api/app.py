@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.access import Policy, undeclared_routes
+from gateway.access.policy import Policy, undeclared_routes
 from gateway.api.deps import access
 from gateway.api.errors import error_body
 from gateway.config import Settings

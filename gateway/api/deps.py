@@ -12,11 +12,11 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from sqlmodel import Session
 
-from gateway.access import OPERATOR_ROLES, Policy, admits, declares, refusal
+from gateway.access.policy import OPERATOR_ROLES, Policy, admits, declares, refusal
+from gateway.access.tokens import Principal, authenticate
 from gateway.config import Settings
 from gateway.db import session_scope
 from gateway.errors import Forbidden, Unauthorized
-from gateway.services.tokens import Principal, authenticate
 
 # Dependencies are ``async def`` on purpose: FastAPI runs plain ``def`` dependencies in its
 # thread pool, one hop each; these do at most a sub-millisecond query, so they run inline
@@ -80,7 +80,7 @@ PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 def now_for(request: Request, session: Session) -> datetime:
     """The app's clock: ``app.state.clock(session)`` when set (tests move it), else DB time."""
-    from gateway.services.staff import db_now
+    from gateway.access.staff import db_now
 
     clock: Callable[[Any], datetime] = getattr(request.app.state, "clock", None) or db_now
     return clock(session)
@@ -109,7 +109,7 @@ def access(policy: Policy | str) -> Any:
     async def check(request: Request, principal: PrincipalDep, session: SessionDep) -> Principal:
         if not admits(policy, principal.role):
             if principal.role in OPERATOR_ROLES:
-                from gateway.services.staff import record_refusal
+                from gateway.access.staff import record_refusal
 
                 record_refusal(request.app.state.engine, now=now_for(request, session), principal=principal,
                                path_params=request.path_params, route=f"{request.method} {request.url.path}")

@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from gateway.access import Policy
+from gateway.access.policy import Policy
 from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep, access
 from gateway.errors import NotFound
 from gateway.models import FineTuningJob

@@ -18,13 +18,13 @@ from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.access import Policy
+from gateway.access import staff as svc
+from gateway.access import tokens as tokens_svc
+from gateway.access.policy import Policy
 from gateway.api.deps import NowDep, PrincipalDep, SessionDep, SettingsDep, access
 from gateway.api.jobs import event_object
 from gateway.models import DataFile, Role
 from gateway.services import files as files_svc
-from gateway.services import staff as svc
-from gateway.services import tokens as tokens_svc
 
 router = APIRouter(tags=["staff"])
 STAFF, GRANT = [access(Policy.STAFF)], [access(Policy.STAFF_GRANT)]

@@ -9,13 +9,13 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Form, Request, Response
 from fastapi.responses import RedirectResponse
 
-from gateway.access import Policy
+from gateway.access import staff as svc
+from gateway.access import tokens as tokens_svc
+from gateway.access.policy import Policy
 from gateway.api.deps import SessionDep, now_for
 from gateway.models import Role
 from gateway.portal.session import check_csrf
 from gateway.portal.web import PortalRoute, UserDep, portal_access, render
-from gateway.services import staff as svc
-from gateway.services import tokens as tokens_svc
 
 router = APIRouter(prefix="/portal/access", route_class=PortalRoute, include_in_schema=False)
 

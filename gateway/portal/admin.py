@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 
-from gateway.access import Policy
+from gateway.access.policy import Policy
 from gateway.api.deps import SettingsDep
 from gateway.errors import Forbidden
 from gateway.portal.session import PortalUser

@@ -7,7 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, Form, Request, Response
 from fastapi.responses import RedirectResponse
 
-from gateway.access import Policy
+from gateway.access.policy import Policy
+from gateway.access.tokens import authenticate
 from gateway.api.deps import SessionDep
 from gateway.models import ApiToken
 from gateway.portal.session import (
@@ -28,7 +29,6 @@ from gateway.portal.session import (
     unsign,
 )
 from gateway.portal.web import PortalRoute, UserDep, portal_access, render
-from gateway.services.tokens import authenticate
 
 router = APIRouter(route_class=PortalRoute, include_in_schema=False)
 

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Form, Request, Response
 from fastapi.responses import JSONResponse, RedirectResponse, StreamingResponse
 
-from gateway.access import Policy
+from gateway.access.policy import Policy
 from gateway.api.deps import SessionDep, SettingsDep
 from gateway.config import Settings
 from gateway.datasets.uploads import receive

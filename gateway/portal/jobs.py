@@ -9,7 +9,7 @@ from fastapi import APIRouter, Form, Query, Request, Response
 from fastapi.responses import JSONResponse, RedirectResponse
 from sqlmodel import Session
 
-from gateway.access import Policy
+from gateway.access.policy import Policy
 from gateway.api.deps import SessionDep, SettingsDep
 from gateway.config import Settings
 from gateway.errors import NotFound, ServiceError

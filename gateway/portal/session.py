@@ -29,11 +29,11 @@ from typing import Any
 from fastapi import Request
 from sqlmodel import Session
 
+from gateway.access.tokens import Principal
 from gateway.config import Settings
 from gateway.errors import BadSetting, CsrfRefused, ServiceError
 from gateway.models import ApiToken, PortalSession, Role, Tenant
 from gateway.services.portal_sessions import end_session, record_session
-from gateway.services.tokens import Principal
 
 COOKIE = "sft_portal"
 LOGIN_COOKIE = "sft_portal_login"

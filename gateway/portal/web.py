@@ -18,7 +18,7 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 from sqlmodel import Session
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.access import OPERATOR_ROLES, Policy, admits, declares, refusal
+from gateway.access.policy import OPERATOR_ROLES, Policy, admits, declares, refusal
 from gateway.api.deps import get_session, now_for
 from gateway.api.limits import SCOPE_FLAG as BODY_TOO_LARGE
 from gateway.errors import Forbidden, ServiceError
@@ -147,7 +147,7 @@ def portal_access(policy: Policy | str) -> Any:
         role = user.principal.role
         if not admits(policy, role):
             if role in OPERATOR_ROLES:
-                from gateway.services.staff import record_refusal
+                from gateway.access.staff import record_refusal
 
                 record_refusal(request.app.state.engine, now=now_for(request, session), principal=user.principal,
                                path_params=request.path_params, route=f"{request.method} {request.url.path}")

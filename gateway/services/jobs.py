@@ -20,12 +20,12 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
+from gateway.access.tokens import Principal
 from gateway.config import Settings
 from gateway.errors import Conflict, NotFound, ServiceError, TooManyJobs
 from gateway.jobs.state import ACTIVE, Event, FailReason, JobState, transition
 from gateway.models import DataFile, FileStatus, FineTuningJob, JobCheckpoint, JobEvent, utcnow
 from gateway.services.files import get_file
-from gateway.services.tokens import Principal
 from gateway.storage import layout
 
 if TYPE_CHECKING:

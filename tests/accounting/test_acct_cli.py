@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 import gateway.cli
+import gateway.cli.sysadmin
 import gateway.slurm
 from gateway.slurm.runner import CommandResult
 from tests.accounting.conftest import ACCT_DATA
@@ -43,7 +44,7 @@ class Replay:
 def replay(monkeypatch: pytest.MonkeyPatch) -> Replay:
     r = Replay()
     monkeypatch.setattr(gateway.slurm, "make_runner", lambda *a, **k: r)
-    monkeypatch.setattr(gateway.cli, "make_runner", lambda *a, **k: r)
+    monkeypatch.setattr(gateway.cli.sysadmin, "make_runner", lambda *a, **k: r)
     return r
 
 

@@ -50,8 +50,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         pytest.skip(problem)
     from sqlmodel import Session
 
+    from gateway.access.tokens import create_token
     from gateway.models import Role
-    from gateway.services.tokens import create_token
     from tests.slurm.livegateway import LiveGateway
 
     gw = LiveGateway(tmp_path_factory.mktemp("portal"), (TENANT_A, TENANT_B))

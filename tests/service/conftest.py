@@ -24,12 +24,12 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 from sqlmodel import Session
 
+from gateway.access.tokens import create_token
 from gateway.api.app import create_app
 from gateway.config import Settings
 from gateway.db import make_engine, migrate
 from gateway.models import Role
 from gateway.services.tenants import ensure_tenant
-from gateway.services.tokens import create_token
 
 TENANT_A, TENANT_B = "svc-a", "svc-b"
 

@@ -186,10 +186,10 @@ class Uvicorn:
         self.port = _free_port()
         self.env = {**os.environ, "SFT_DATABASE_URL": f"sqlite:///{tmp / 'gw.db'}", "SFT_STORAGE_ROOT": str(storage),
                     "SFT_DEFAULT_MODEL": ""}
+        from gateway.access.tokens import create_token
         from gateway.db import make_engine, migrate
         from gateway.models import Role
         from gateway.services.tenants import ensure_tenant
-        from gateway.services.tokens import create_token
 
         engine = make_engine(self.env["SFT_DATABASE_URL"])
         migrate(engine)

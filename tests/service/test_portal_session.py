@@ -18,12 +18,12 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlmodel import Session, func, select
 
+from gateway.access.tokens import create_token, revoke_token
 from gateway.api.app import create_app
 from gateway.config import Settings
 from gateway.models import ApiToken, PortalSession, Role
 from gateway.portal.session import COOKIE, LOGIN_COOKIE, load_secret, sign
 from gateway.services.tenants import ensure_tenant
-from gateway.services.tokens import create_token, revoke_token
 from tests.service.conftest import TENANT_A, Gateway, _free_port, wait_port
 
 pytestmark = pytest.mark.service

@@ -18,10 +18,10 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlmodel import Session, func, select
 
+from gateway.access.tokens import create_token
 from gateway.config import get_settings
 from gateway.models import AuditEntry, DataFile, FineTuningJob, JobEvent, Role, Tenant
 from gateway.services.tenants import get_tenant
-from gateway.services.tokens import create_token
 from gateway.storage.layout import result_path, tenant_root
 from tests.service.conftest import TENANT_A, TENANT_B, Gateway, chat_lines
 
@@ -90,7 +90,7 @@ class World:
 
 
 def token_id(s: Session, secret: str) -> int:
-    from gateway.services.tokens import authenticate
+    from gateway.access.tokens import authenticate
 
     p = authenticate(session=s, token=secret)
     assert p is not None

@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from click.testing import CliRunner
 from sqlalchemy.engine import Engine
 
-from gateway import audit
+from gateway.access import audit
 from gateway.cli import main
 from gateway.config import Settings, get_settings
 from gateway.db import make_engine, migrate

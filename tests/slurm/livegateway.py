@@ -17,10 +17,10 @@ from typing import Any
 import httpx
 from sqlmodel import Session
 
+from gateway.access.tokens import create_token
 from gateway.db import make_engine, migrate
 from gateway.models import Role
 from gateway.services.tenants import ensure_tenant
-from gateway.services.tokens import create_token
 from gateway.slurm import LocalRunner
 from gateway.slurm.admin import Admin
 
@@ -74,7 +74,7 @@ class LiveGateway:
         admin = Admin(LocalRunner(), storage_root=STORAGE)
         engine = make_engine(self.db_url)
         migrate(engine)
-        from gateway import audit
+        from gateway.access import audit
 
         audit.use_key_file(engine, self.db_dir / "audit.key")
         self.tokens: dict[str, str] = {}

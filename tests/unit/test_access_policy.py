@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from fastapi import APIRouter, Depends, FastAPI
 
-from gateway.access import (
+from gateway.access.policy import (
     AccessError,
     GrantView,
     Policy,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway import audit
+from gateway.access import audit
 
 KEY = bytes(range(32))
 

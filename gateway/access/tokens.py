@@ -27,8 +27,8 @@ from typing import Any
 
 from sqlmodel import Session, col, select
 
-from gateway import audit
-from gateway.access import OPERATOR_ROLES
+from gateway.access import audit
+from gateway.access.policy import OPERATOR_ROLES
 from gateway.errors import Conflict, Forbidden, NotFound, ServiceError
 from gateway.models import TENANT_ROLES, ApiToken, Role, Tenant, utcnow
 

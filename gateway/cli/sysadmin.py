@@ -1,69 +1,25 @@
-"""The ``finetune`` command line. Commands parse input, call one function, print."""
+"""``finetune admin``: the sysadmin's commands (root on the gateway host).
+
+Tenants (Slurm accounts, fairshare, QOS, unix users, storage), API tokens, the
+audit log, QOS policy and drained nodes; ``accounting.cli`` adds ``report`` and
+``fairshare``. Each command parses its options, calls one function of
+``gateway.slurm.admin``, ``gateway.access`` or ``gateway.services``, and prints.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import click
 
-from gateway.cliutil import friendly_errors as friendly_errors  # re-exported: gateway.cli.friendly_errors
+from gateway.cliutil import friendly_errors
 from gateway.config import get_settings
 from gateway.slurm import make_runner
 
 
 @click.group()
-@click.version_option(package_name="slurm-finetune")
-def main() -> None:
-    """slurm-finetune: private QLoRA fine-tuning on a shared SLURM cluster."""
-
-
-# ------------------------------------------------------------------ dev-cluster
-@main.group("dev-cluster")
-def dev_cluster() -> None:
-    """The one-host development cluster (root): munge, MariaDB, slurmdbd, slurmctld, 2 slurmd."""
-
-
-@dev_cluster.command("up")
-@friendly_errors
-def dev_cluster_up() -> None:
-    """Install what is missing, render configs, start the daemons, apply QOS tiers."""
-    from gateway.slurm.devcluster import DevCluster
-
-    dc = DevCluster(echo=click.echo)
-    seconds = dc.up()
-    click.echo(f"dev cluster up in {seconds:.1f}s: nodes {dc.node_states()}")
-
-
-@dev_cluster.command("down")
-@friendly_errors
-def dev_cluster_down() -> None:
-    """Stop the daemons `up` started (and only those)."""
-    from gateway.slurm.devcluster import DevCluster
-
-    stopped = DevCluster(echo=click.echo).down()
-    click.echo("stopped: " + (", ".join(stopped) or "nothing was running"))
-
-
-@dev_cluster.command("status")
-@friendly_errors
-def dev_cluster_status() -> None:
-    """Daemons with their PIDs, and node states. Exit 1 if a recorded daemon is dead."""
-    from gateway.slurm.devcluster import DevCluster
-
-    st = DevCluster(echo=click.echo).status()
-    click.echo(json.dumps(st, indent=2))
-    daemons = st["daemons"]
-    assert isinstance(daemons, dict)
-    if not daemons or not all(d["alive"] for d in daemons.values()):
-        sys.exit(1)
-
-
-# ------------------------------------------------------------------------ admin
-@main.group()
 def admin() -> None:
     """Sysadmin commands: tenants, QOS tiers, nodes."""
 
@@ -182,11 +138,11 @@ def token_create(tenant_name: str | None, role: str, name: str, as_json: bool) -
     token minted here decides no staff access request until its holder claims it with
     `finetune tokens rotate` (which also revokes this copy).
     """
+    from gateway.access.staff import db_now
+    from gateway.access.tokens import create_token, local_admin
     from gateway.db import session_scope
     from gateway.models import Role
-    from gateway.services.staff import db_now
     from gateway.services.tenants import get_tenant
-    from gateway.services.tokens import create_token, local_admin
 
     with session_scope(_token_db()) as session:
         tenant = get_tenant(session=session, name=tenant_name) if tenant_name else None
@@ -209,10 +165,10 @@ def token_create(tenant_name: str | None, role: str, name: str, as_json: bool) -
 @friendly_errors
 def token_revoke(token_id: int, as_json: bool) -> None:
     """Revoke token TOKEN_ID (its tenant's audit log records it)."""
+    from gateway.access.staff import db_now
+    from gateway.access.tokens import local_admin, revoke_token, token_object
     from gateway.db import session_scope
     from gateway.models import ApiToken
-    from gateway.services.staff import db_now
-    from gateway.services.tokens import local_admin, revoke_token, token_object
 
     with session_scope(_token_db()) as session:
         before = session.get(ApiToken, token_id)
@@ -225,13 +181,6 @@ def token_revoke(token_id: int, as_json: bool) -> None:
         click.echo(f"token #{token_id}: " + ("was already revoked" if already else "revoked"))
 
 
-def _mount_token_commands() -> None:
-    from gateway.usercli import tokens
-
-    main.add_command(tokens)
-
-
-_mount_token_commands()
 
 
 @admin.group("audit")
@@ -251,7 +200,7 @@ def audit_verify(key_file: Path | None, as_json: bool) -> None:
     entries deleted, head rewritten without the key). Exit 2: the chain is consistent but
     the anchor could not be checked (no usable key file here): not verified.
     """
-    from gateway.audit import UNCHECKED, verify
+    from gateway.access.audit import UNCHECKED, verify
 
     settings = get_settings()
     verdict = verify(_token_db(), key_file=key_file or settings.audit_key_file)
@@ -274,9 +223,9 @@ def audit_reanchor(reason: str, key_file: Path | None) -> None:
     """Sign the head as it is now (after investigating a verdict, or for a database that is
     newer than its key file). Appends an audit.reanchor entry naming the verdict before; it
     hides no broken entry (verify still names those)."""
-    from gateway import audit
-    from gateway.services.staff import db_now
-    from gateway.services.tokens import local_admin
+    from gateway.access import audit
+    from gateway.access.staff import db_now
+    from gateway.access.tokens import local_admin
 
     engine = _token_db()
     if key_file is not None:
@@ -357,178 +306,3 @@ def admin_nodes(as_json: bool, last: int, report_dir: Path | None) -> None:
         click.echo(f"last scrubs on {node}:")
         for r in reports:
             click.echo(f"  {r.started.isoformat(timespec='seconds')}  {r.summary()}")
-
-
-def local_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``--local`` / ``--data-dir``: the same command in local mode (gateway/local.py)."""
-    fn = click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-                      help="Local mode's data (default ~/.local/share/slurm-finetune); implies --local.")(fn)
-    return click.option("--local", is_flag=True,
-                        help="Local mode: no root, no Slurm; jobs run as you, NO tenant isolation "
-                             "(also SFT_BACKEND=local).")(fn)
-
-
-def _settings(local: bool, data_dir: Path | None):  # type: ignore[no-untyped-def]
-    """Settings from the environment, in local mode when asked; local mode announces itself."""
-    from gateway.config import Settings
-
-    over: dict[str, Any] = {"backend": "local"} if local or data_dir else {}
-    if data_dir:
-        over["data_dir"] = data_dir
-    settings = Settings(**over) if over else get_settings()
-    if settings.local:
-        from gateway.local import banner, prepare
-
-        prepare(settings)
-        click.secho(banner(settings), fg="yellow", bold=True, err=True)
-    return settings
-
-
-@main.command("serve")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
-@click.option("--workers", default=1, show_default=True, type=click.IntRange(1, 64),
-              help="API processes; with more than one, this process runs the single reconciler.")
-@click.option("--log-level", default="info", show_default=True)
-@local_options
-@friendly_errors
-def serve(host: str, port: int, workers: int, log_level: str, local: bool, data_dir: Path | None) -> None:
-    """Serve the HTTP API and portal (settings from SFT_* environment variables)."""
-    import uvicorn
-
-    from gateway.api.app import create_app
-    from gateway.privsep import become_service_user
-
-    settings = _settings(local, data_dir)
-    if settings.local:
-        _local_first_start(settings, f"http://{host}:{port}")
-        workers = 1                    # the app and its reconciler in this one process
-    become_service_user(settings)      # root: state dir + storage broker, then drop for good
-    if workers == 1:
-        uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
-        return
-    reconciler = _reconciler(settings)
-    if reconciler is not None:
-        import threading
-
-        threading.Thread(target=reconciler.run, name="reconciler", daemon=True).start()
-    uvicorn.run("gateway.api.app:worker_app", factory=True, host=host, port=port, workers=workers,
-                log_level=log_level)
-
-
-def _local_first_start(settings: Any, url: str) -> None:
-    """Local mode's first start: tenant ``local`` and its token, saved where `finetune login` saves."""
-    from gateway.local import onboard
-    from gateway.usercli import save_credentials
-
-    token = onboard(settings, "local")
-    if token is not None:
-        from gateway.usercli import saved_url
-
-        if saved_url() not in (None, url):      # logged in elsewhere: do not replace that login
-            click.echo(f"tenant 'local' created; its token (shown once): {token}\n"
-                       f"  use it: finetune login --url {url} --token {token}", err=True)
-        else:
-            path = save_credentials(url, token)
-            click.echo(f"tenant 'local' created; its token is saved in {path}: `finetune files upload "
-                       f"FILE` and the other commands use it", err=True)
-    from trainer import catalog
-
-    if not catalog.list_models(settings.models_root):
-        click.echo(f"no base model yet: `finetune models make-tiny /tmp/tiny --register tiny-chat --root "
-                   f"{settings.models_root}` (seconds) or `finetune models import-smollm2 --root "
-                   f"{settings.models_root}`", err=True)
-
-
-def _reconciler(settings):  # type: ignore[no-untyped-def]
-    from gateway.backend import build_backend
-
-    reconciler = build_backend(settings).reconciler
-    if reconciler is None:
-        click.echo("Slurm does not answer: no reconciler", err=True)
-    return reconciler
-
-
-@main.command("reconcile")
-@click.option("--once", is_flag=True, help="Run one cycle, print what it did, and exit.")
-@friendly_errors
-def reconcile(once: bool) -> None:
-    """Run the reconciler alone (when the API runs elsewhere or with several workers)."""
-    from gateway.privsep import become_service_user
-
-    settings = get_settings()
-    become_service_user(settings)
-    rec = _reconciler(settings)
-    if rec is None:
-        sys.exit(1)
-    if once:
-        stats = rec.cycle()
-        click.echo(f"{stats.jobs} active jobs, {stats.slurm_calls} Slurm queries, {stats.changed} changed, "
-                   f"{stats.published} published" + (f", errors: {stats.errors}" if stats.errors else ""))
-        return
-    rec.run()
-
-
-@main.command("broker")
-@click.option("--socket", "socket_path", type=click.Path(path_type=Path), default=None,
-              help="Unix socket (default: SFT_BROKER_SOCKET).")
-def broker(socket_path: Path | None) -> None:
-    """Run the storage broker (root): tenant-storage verbs as the tenant, for the gateway's
-    service user only. `finetune serve` started as root starts one itself when none answers."""
-    from gateway.storage.broker import main as broker_main
-
-    settings = get_settings()
-    broker_main(["--socket", str(socket_path or settings.broker_socket),
-                 "--allow-user", settings.service_user])
-
-
-@main.command("demo")
-@click.option("--tiny", is_flag=True, help="The tiny random model instead of SmolLM2-135M-Instruct: a quick "
-              "check of the plumbing (seconds of training), nothing a person can read.")
-@local_options
-@friendly_errors
-def demo(tiny: bool, local: bool, data_dir: Path | None) -> None:
-    """End-to-end walk-through: tenant, base model, dataset, QLoRA job, before/after.
-
-    On the dev cluster (root), or with --local as an ordinary user without Slurm."""
-    from gateway.demo import run_demo
-
-    sys.exit(run_demo(_settings(local, data_dir), echo=click.echo, tiny=tiny))
-
-
-def _mount_user_commands() -> None:
-    from gateway.usercli import access, artifacts, audit, files, jobs, login, staff
-
-    main.add_command(login)
-    main.add_command(files)
-    main.add_command(jobs)
-    main.add_command(artifacts)
-    for group in (staff, access, audit):
-        main.add_command(group)
-
-
-_mount_user_commands()
-
-
-def _mount_optional_groups() -> None:
-    # The model catalog lives in trainer/ (it runs on compute nodes too); its CLI
-    # imports no torch at module level, so mounting it keeps `finetune` light.
-    try:
-        from trainer.cli import models
-    except ImportError:
-        return
-    main.add_command(models, "models")
-
-
-def _mount_accounting() -> None:
-    try:
-        from accounting.cli import register
-    except ImportError:
-        return
-    register(admin)
-
-
-_mount_accounting()
-
-
-_mount_optional_groups()

@@ -48,7 +48,7 @@ from sqlmodel import Session, col, select
 from gateway.config import get_settings
 from gateway.models import AuditEntry, AuditHead
 
-log = logging.getLogger("gateway.audit")
+log = logging.getLogger("gateway.access.audit")
 GENESIS = "0" * 64
 ALLOWED, DENIED = "allowed", "denied"
 HASHED_FIELDS = ("seq", "at", "actor_token_id", "actor_role", "tenant", "resource", "action",

@@ -17,8 +17,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from gateway import audit
-from gateway.access import (
+from gateway.access import audit
+from gateway.access.policy import (
     OPERATOR_ROLES,
     AccessError,
     RequestStatus,
@@ -28,9 +28,9 @@ from gateway.access import (
     parse_resource,
     request_state,
 )
+from gateway.access.tokens import Principal, decide_refusal
 from gateway.errors import Conflict, Forbidden, NotFound, ServiceError
 from gateway.models import AccessRequest, AuditEntry, DataFile, FineTuningJob, JobEvent, Role, Tenant
-from gateway.services.tokens import Principal, decide_refusal
 
 Clock = Callable[[Any], datetime]
 

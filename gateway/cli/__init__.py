@@ -1,0 +1,51 @@
+"""The ``finetune`` command line: one click group and the command groups it mounts.
+
+- ``gateway.cli.service``: ``serve``, ``reconcile``, ``broker``, ``demo``, ``dev-cluster``;
+- ``gateway.cli.sysadmin``: ``admin ...`` (tenants, tokens, audit, QOS, nodes; reports
+  from ``accounting.cli``);
+- ``gateway.usercli``: the tenant's commands over HTTP (``login``, ``files``, ``jobs``,
+  ``artifacts``, ``tokens``, ``staff``, ``access``, ``audit``);
+- ``trainer.cli``: ``models`` (the base-model catalog; it lives with the trainer,
+  which runs on compute nodes too).
+
+Commands parse input, call one function, print; errors become one line through
+``gateway.cliutil.friendly_errors``. A group whose package is not installed is
+left out.
+"""
+
+from __future__ import annotations
+
+import click
+
+from gateway.cli.service import broker, demo, dev_cluster, reconcile, serve
+from gateway.cli.sysadmin import admin
+from gateway.usercli import access, artifacts, audit, files, jobs, login, staff, tokens
+
+
+@click.group()
+@click.version_option(package_name="slurm-finetune")
+def main() -> None:
+    """slurm-finetune: private QLoRA fine-tuning on a shared SLURM cluster."""
+
+
+for _command in (dev_cluster, admin, serve, reconcile, broker, demo,
+                 login, files, jobs, artifacts, tokens, staff, access, audit):
+    main.add_command(_command)
+
+
+def _mount_optional_groups() -> None:
+    try:
+        from accounting.cli import register
+    except ImportError:
+        pass
+    else:
+        register(admin)
+    # The model catalog's CLI imports no torch at module level, so mounting it keeps `finetune` light.
+    try:
+        from trainer.cli import models
+    except ImportError:
+        return
+    main.add_command(models, "models")
+
+
+_mount_optional_groups()
