@@ -86,6 +86,7 @@ def test_import_smollm2_from_wheel_and_register(tmp_path: Path) -> None:
 
     out = import_smollm2(tmp_path / "smol")
     entry = add(out, "smollm2-135m-instruct", tmp_path / "models")
+    assert entry.packing_check and entry.packing_check["max_abs_diff"] < entry.packing_check["tolerance"]
     path = resolve(tmp_path / "models", entry.name, entry.digest)
     tokenizer = AutoTokenizer.from_pretrained(path)
     assert has_generation_marks(tokenizer)
