@@ -9,12 +9,16 @@ passed explicitly by callers)::
 The digest is ``sha256:<hex>`` over every file of the model directory
 (sorted relative paths, sizes and contents), so config, weights and tokenizer
 are pinned together: a tokenizer/base-model mismatch after a silent upgrade
-cannot load. No torch import at module level (``make_tiny`` and
+cannot load. ``add`` first loads the copy as the trainer does and refuses a
+model whose loss on a packed row differs from its loss unpacked
+(``trainer.packcheck``); a refused model leaves nothing in the catalog.
+No torch import at module level (``make_tiny`` and
 ``import_smollm2`` import the ML stack when called).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import importlib.util
@@ -24,15 +28,19 @@ import random
 import re
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from trainer.checkpoint import fsync_dir, write_atomic
 from trainer.errors import CatalogError, ModelDigestError
+from trainer.packcheck import check_packing
 from trainer.spec import DEFAULT_CATALOG_ROOT, NAME_PATTERN
 
 INDEX = "index.json"
+ModelCheck = Callable[[Path, str], dict[str, Any]]
 __all__ = [
     "DEFAULT_CATALOG_ROOT",
     "CatalogEntry",
@@ -69,6 +77,8 @@ class CatalogEntry:
     path: str
     added_at: str
     size_bytes: int
+    # what trainer.packcheck measured at `models add`; None for entries added without it
+    packing_check: dict[str, Any] | None = None
 
 
 def _files(directory: Path) -> list[Path]:
@@ -134,12 +144,18 @@ def _copy_tree(source: Path, target: Path) -> None:
         fsync_dir(directory)
 
 
-def add(path: str | Path, name: str, root: str | Path) -> CatalogEntry:
+def add(
+    path: str | Path, name: str, root: str | Path, *, check: ModelCheck | None = check_packing
+) -> CatalogEntry:
     """Copy the model directory ``path`` into the catalog as ``name`` and register it.
 
+    ``check`` runs on the copy before the entry becomes visible (default: the
+    packed-loss check, whose record lands in ``packing_check``); ``None`` skips
+    it (catalog mechanics tested on fake model directories).
     Returns the entry (the existing one when this exact digest is already there).
     Raises:
-        CatalogError: bad name, unreadable source, or the copy does not match.
+        CatalogError: bad name, unreadable source, the copy does not match, or
+            ``check`` refuses the model (then nothing of it stays in the catalog).
     """
     if not re.fullmatch(NAME_PATTERN, name):
         raise CatalogError(f"invalid model name {name!r} (letters, digits, . _ -)")
@@ -155,15 +171,10 @@ def add(path: str | Path, name: str, root: str | Path) -> CatalogEntry:
         final = model_dir(root, name, digest)
         final.parent.mkdir(mode=0o755, exist_ok=True)
         os.chmod(final.parent, 0o755)
-        if not final.exists():
-            tmp = final.with_name(f".tmp-{final.name}.{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            _copy_tree(source, tmp)
-            if compute_digest(tmp) != digest:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise CatalogError(f"{source} changed while it was being copied; retry")
-            os.replace(tmp, final)
-            fsync_dir(final.parent)
+        if final.exists():  # left by an add that died before writing the index
+            checked = check(final, name) if check else None
+        else:
+            checked = _copy_checked(source, final, digest, name, check)
         size = sum(p.stat().st_size for p in _files(final))
         entry = CatalogEntry(
             name,
@@ -171,10 +182,32 @@ def add(path: str | Path, name: str, root: str | Path) -> CatalogEntry:
             final.relative_to(root).as_posix(),
             datetime.now(UTC).isoformat(timespec="seconds"),
             size,
+            checked,
         )
         index = {"version": 1, "models": [asdict(e) for e in entries + [entry]]}
         write_atomic(root / INDEX, json.dumps(index, indent=1).encode(), mode=0o644)
         return entry
+
+
+def _copy_checked(
+    source: Path, final: Path, digest: str, name: str, check: ModelCheck | None
+) -> dict[str, Any] | None:
+    """Copy ``source`` to a temp dir, verify and check it, then move it to ``final``."""
+    tmp = final.with_name(f".tmp-{final.name}.{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _copy_tree(source, tmp)
+        if compute_digest(tmp) != digest:
+            raise CatalogError(f"{source} changed while it was being copied; retry")
+        checked = check(tmp, name) if check else None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.suppress(OSError):  # the <name> folder, when this was its first version
+            tmp.parent.rmdir()
+        raise
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    return checked
 
 
 def resolve(root: str | Path, name: str, digest: str, verify: bool = True) -> Path:

@@ -88,12 +88,27 @@ def _fail(e: TrainerError) -> None:
 @click.option("--name", required=True, help="catalog name, e.g. smollm2-135m-instruct")
 @_ROOT
 def add_cmd(path: Path, name: str, root: Path) -> None:
-    """Copy the model directory PATH into the catalog and print its digest."""
+    """Copy the model directory PATH into the catalog and print its digest.
+
+    Refuses a model that cannot be loaded as the trainer loads it, or whose
+    loss on a packed row differs from its loss unpacked.
+    """
     try:
         entry = catalog.add(path, name, root)
     except TrainerError as e:
         _fail(e)
     click.echo(f"{entry.name} {entry.digest} {root / entry.path}")
+    _echo_check(entry)
+
+
+def _echo_check(entry: catalog.CatalogEntry) -> None:
+    check = entry.packing_check
+    if check:
+        click.echo(
+            f"packing check passed: max |packed - unpacked| loss {check['max_abs_diff']:.2e} "
+            f"(tolerance {check['tolerance']:g}, {check['quantization'] or 'unquantized'} "
+            f"{check['compute_dtype']} on {check['device']})"
+        )
 
 
 @models.command("list")
@@ -144,6 +159,7 @@ def import_smollm2_cmd(name: str, work: Path | None, root: Path) -> None:
     except TrainerError as e:
         _fail(e)
     click.echo(f"{entry.name} {entry.digest} {root / entry.path}")
+    _echo_check(entry)
 
 
 main.add_command(models)

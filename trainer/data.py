@@ -139,23 +139,49 @@ def _encode(tokenizer: ChatTokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def _prefix_length(text: str, ids: list[int], prefix: str, tokenizer: ChatTokenizer, where: str, at: str) -> int:
+    """Return how many tokens of ``ids`` the rendered ``prefix`` of ``text`` covers.
+
+    Raises:
+        DatasetError: ``prefix`` is not how ``text`` begins, or its tokens are not
+            how ``ids`` begins (a token straddles the boundary at ``at``).
+    """
+    if not text.startswith(prefix):
+        raise DatasetError(
+            f"{where}: the chat template does not render conversations as prefixes of "
+            "each other; the base model's template needs {% generation %} marks"
+        )
+    prefix_ids = _encode(tokenizer, prefix)
+    if ids[: len(prefix_ids)] != prefix_ids:
+        raise DatasetError(
+            f"{where}: tokenization drifts at the {at}: the text before it does not tokenize as "
+            "a prefix of the whole conversation (a token straddles the boundary), so the trained "
+            "span cannot be located; the base model's chat template needs {% generation %} marks"
+        )
+    return len(prefix_ids)
+
+
 def _spans_by_prefix(
-    tokenizer: ChatTokenizer, messages: list[dict[str, str]], ids: list[int], where: str
+    tokenizer: ChatTokenizer, messages: list[dict[str, str]], text: str, ids: list[int], where: str
 ) -> list[tuple[int, int]]:
-    """Locate each assistant message by rendering the conversation up to it."""
+    """Locate each assistant message of ``text`` (tokens ``ids``) by rendering up to it.
+
+    A span starts after the generation prompt and ends with the end-of-turn
+    marker itself: the whitespace the template writes after it (ChatML's
+    newline) is not something the model must learn to emit. Both ends are
+    checked to be token boundaries of the whole conversation.
+    """
     spans = []
+    n = 0
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
+        n += 1
         before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-        start, end = len(_encode(tokenizer, before)), _encode(tokenizer, upto)
-        if ids[: len(end)] != end:
-            raise DatasetError(
-                f"{where}: the chat template does not render conversations as prefixes of "
-                "each other; the base model's template needs {% generation %} marks"
-            )
-        spans.append((start, len(end)))
+        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False).rstrip()
+        start = _prefix_length(text, ids, before, tokenizer, where, f"start of assistant message {n}")
+        end = _prefix_length(text, ids, upto, tokenizer, where, f"end of assistant message {n}")
+        spans.append((start, max(start, end)))
     return spans
 
 
@@ -180,7 +206,7 @@ def tokenize_conversation(tokenizer: ChatTokenizer, conversation: Conversation, 
             return Example(tuple(ids), tuple(mask), conversation.line)
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     ids = _encode(tokenizer, text)
-    spans = _spans_by_prefix(tokenizer, messages, ids, where)
+    spans = _spans_by_prefix(tokenizer, messages, text, ids, where)
     mask = mask_from_spans(len(ids), spans, conversation.weights)
     return Example(tuple(ids), tuple(mask), conversation.line)
 

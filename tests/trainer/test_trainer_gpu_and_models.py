@@ -48,18 +48,14 @@ def test_cuda_qlora_few_steps_and_adapter_reload(tiny: Tiny, toy: ToyData, tmp_p
     assert [e for e in events(job_dir) if e["type"] == "done"]
 
 
-@pytest.mark.unit
-def test_models_cli_add_and_list(tmp_path: Path) -> None:
+@pytest.mark.train
+def test_models_cli_add_and_list(tiny: Tiny, tmp_path: Path) -> None:
     from trainer.cli import models
 
-    src = tmp_path / "m"
-    src.mkdir()
-    (src / "config.json").write_text("{}")
-    (src / "model.safetensors").write_bytes(b"x" * 10)
     runner = CliRunner()
-    added = runner.invoke(models, ["add", str(src), "--name", "m1", "--root", str(tmp_path / "r")])
+    added = runner.invoke(models, ["add", str(tiny.path), "--name", "m1", "--root", str(tmp_path / "r")])
     assert added.exit_code == 0, added.output
-    assert "m1 sha256:" in added.output
+    assert f"m1 {tiny.digest}" in added.output and "packing check passed" in added.output
     listed = runner.invoke(models, ["list", "--root", str(tmp_path / "r")])
     assert listed.exit_code == 0 and listed.output.startswith("m1\tsha256:")
     missing = runner.invoke(models, ["add", str(tmp_path / "nope"), "--name", "x"])
@@ -90,6 +86,7 @@ def test_import_smollm2_from_wheel_and_register(tmp_path: Path) -> None:
 
     out = import_smollm2(tmp_path / "smol")
     entry = add(out, "smollm2-135m-instruct", tmp_path / "models")
+    assert entry.packing_check and entry.packing_check["max_abs_diff"] < entry.packing_check["tolerance"]
     path = resolve(tmp_path / "models", entry.name, entry.digest)
     tokenizer = AutoTokenizer.from_pretrained(path)
     assert has_generation_marks(tokenizer)
