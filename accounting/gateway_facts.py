@@ -28,6 +28,7 @@ class Cancellation:
 
     @property
     def stop_latency_s(self) -> float | None:
+        """Seconds from the cancel request to Slurm's confirmation; None while still stopping."""
         if self.stopped_at is None:
             return None
         return (self.stopped_at - self.requested_at).total_seconds()

@@ -16,6 +16,7 @@ FORMATS = ("table", "csv", "json")
 
 
 def check_format(fmt: str) -> str:
+    """Return ``fmt`` when it is one of FORMATS; raise AccountingError otherwise."""
     if fmt not in FORMATS:
         raise AccountingError(f"--format {fmt!r} is not a format; valid: {', '.join(FORMATS)}")
     return fmt
@@ -108,6 +109,7 @@ def _csv(dicts: list[dict[str, Any]]) -> str:
 
 
 def fairshare_dicts(report: FairshareReport) -> list[dict[str, Any]]:
+    """One flat dict per tenant row (what CSV and JSON rows hold); shares and ratio rounded to 6 digits."""
     return [{
         "tenant": r.tenant, "raw_shares": r.raw_shares, "norm_shares": r.norm_shares,
         "raw_usage": r.raw_usage, "effective_usage": r.effective_usage, "fairshare": r.fairshare,

@@ -106,10 +106,12 @@ class UsageRow:
 
     @property
     def gpu_hours(self) -> float:
+        """``gpu_seconds`` in hours."""
         return self.gpu_seconds / 3600
 
     @property
     def cpu_hours(self) -> float:
+        """``cpu_seconds`` in hours."""
         return self.cpu_seconds / 3600
 
 

@@ -49,6 +49,7 @@ class Window:
 
     @property
     def seconds(self) -> float:
+        """The window's length in seconds."""
         return (self.end - self.start).total_seconds()
 
     def days(self) -> list[date]:

@@ -97,6 +97,7 @@ class Settings(BaseSettings):
 
     @property
     def local(self) -> bool:
+        """Whether this is local mode (``backend = "local"``): no Slurm, every job as this process's user."""
         return self.backend == "local"
 
     @property
@@ -108,6 +109,7 @@ class Settings(BaseSettings):
 
     @property
     def models_root(self) -> Path:
+        """The base-model catalog: ``catalog_root`` when set, else ``<storage_root>/models``."""
         return self.catalog_root or self.storage_root / "models"
 
 
@@ -119,4 +121,5 @@ def default_data_dir() -> Path:
 
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
+    """The process's Settings, read once from the ``SFT_*`` environment (cached)."""
     return Settings()

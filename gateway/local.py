@@ -54,6 +54,7 @@ class LocalModeError(SystemExit):
 
 
 def banner(settings: Settings) -> str:
+    """The warning local mode prints at start: who owns every tenant's data, and where it lives."""
     return BANNER.format(user=pwd.getpwuid(os.getuid()).pw_name, data_dir=settings.data_dir)
 
 
@@ -171,6 +172,7 @@ class LocalScheduler:
             return jid
 
     def requeue(self, job_id: int) -> None:
+        """Always raises SlurmError: local mode cannot requeue a job."""
         raise SlurmError("local mode has no requeue")
 
     def cancel(self, job_id: int, *, deadline_s: float = 30.0, poll_s: float = 0.25,
@@ -200,9 +202,11 @@ class LocalScheduler:
 
     # -------------------------------------------------------------- reads
     def states(self, job_ids: Iterable[int]) -> dict[int, JobStatus]:
+        """The status of each local job, from its folder (``missing`` when it has none)."""
         return {int(j): self._state(int(j)) for j in job_ids}
 
     def find_by_name(self, names: Iterable[str]) -> dict[str, int]:
+        """Local job ids by job name (from each job folder's meta.json); names not found are left out."""
         wanted, found = set(names), {}
         for folder in self.root.glob("[0-9]*"):
             meta = _read_json(folder / "meta.json") or {}
@@ -211,12 +215,15 @@ class LocalScheduler:
         return found
 
     def drained_nodes(self) -> list[rec.DrainedNode]:
+        """Always []: local mode has no nodes to drain."""
         return []
 
     def sshare(self) -> list[rec.ShareRecord]:
+        """Always []: local mode has no fairshare."""
         return []
 
     def sacct(self, start: datetime, end: datetime, *, accounts: Any = None) -> list[rec.AcctRecord]:
+        """Always []: local mode has no accounting."""
         return []
 
     # ------------------------------------------------------------ helpers

@@ -24,6 +24,7 @@ class UTCDateTime(TypeDecorator[datetime]):
     cache_ok = True
 
     def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        """``value`` in UTC (naive on SQLite, which keeps no zone); ValueError for a naive datetime."""
         if value is None:
             return None
         if value.tzinfo is None:
@@ -32,16 +33,19 @@ class UTCDateTime(TypeDecorator[datetime]):
             else value.astimezone(UTC)
 
     def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        """``value`` as an aware UTC datetime (SQLite's naive values are UTC)."""
         if value is None:
             return None
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 def utcnow() -> datetime:
+    """The current time, timezone-aware UTC."""
     return datetime.now(UTC)
 
 
 def new_id(prefix: str) -> str:
+    """A new random id: ``<prefix>-`` and 24 hex digits."""
     return f"{prefix}-{secrets.token_hex(12)}"
 
 

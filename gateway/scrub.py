@@ -50,6 +50,7 @@ class ScrubReport:
 
     @property
     def ok(self) -> bool:
+        """Whether the scrub passed (outcome ``ok``)."""
         return self.outcome == "ok"
 
     def summary(self) -> str:
@@ -95,6 +96,7 @@ def read_report(path: Path) -> ScrubReport:
 
 
 def report_path(report_dir: Path, node: str, job_id: int, kind: str) -> Path:
+    """Where the scrubber writes a report: ``<report_dir>/<node>/<job_id>-<kind>.json``."""
     return report_dir / node / f"{int(job_id)}-{kind}.json"
 
 
@@ -129,4 +131,5 @@ def latest_reports(report_dir: Path = DEFAULT_REPORT_DIR, *, per_node: int = 3) 
 
 
 def last_failure(reports: list[ScrubReport]) -> ScrubReport | None:
+    """The first failed report of ``reports`` (newest first from ``latest_reports``); None if all passed."""
     return next((r for r in reports if not r.ok), None)

@@ -37,14 +37,17 @@ class Verdict:
 
 
 def ok(message: str, **figures: int | float | str | list[str]) -> Verdict:
+    """A passing Verdict; ``figures`` go into the report."""
     return Verdict(Status.OK, message, figures)
 
 
 def fail(message: str, **figures: int | float | str | list[str]) -> Verdict:
+    """A failing Verdict: any one makes the scrub exit 1 (Slurm drains the node)."""
     return Verdict(Status.FAIL, message, figures)
 
 
 def skipped(message: str, **figures: int | float | str | list[str]) -> Verdict:
+    """A Verdict for a step that did not act (no GPU, no driver, a root job...); it fails nothing."""
     return Verdict(Status.SKIPPED, message, figures)
 
 
@@ -57,14 +60,17 @@ class Scrub:
 
     @classmethod
     def make(cls, cfg: ScrubConfig, job: JobContext) -> Scrub:
+        """Read gres.conf (absent: empty) and resolve the job's GPU indices to device files."""
         gres = gpu.read_gres_conf(cfg.gres_conf)
         return cls(cfg, job, tuple(gpu.job_gpu_files(gres, job.node, job.gpus)))
 
     @property
     def scratch(self) -> Path:
+        """The job's scratch directory, ``<scratch_root>/job-<id>``."""
         return self.cfg.scratch_root / f"job-{self.job.job_id}"
 
     def minors(self) -> list[int]:
+        """Device minor numbers of the job's GPU files; a file that cannot be stat'ed is left out."""
         return [m for m in map(gpu.device_minor, self.gpu_files) if m is not None]
 
 
@@ -80,6 +86,7 @@ def _describe(ps: list[procs.Proc], limit: int = 10) -> list[str]:
 
 # ------------------------------------------------------------------ scratch
 def judge_scratch_created(st: files.DirState, uid: int, error: str = "") -> Verdict:
+    """OK when the scratch dir is a real directory of ``uid`` with mode 700; ``error``: the creation's OSError text."""
     if error:
         return fail(f"could not create the scratch dir: {error}")
     if not (st.exists and st.is_dir):
@@ -90,6 +97,7 @@ def judge_scratch_created(st: files.DirState, uid: int, error: str = "") -> Verd
 
 
 def step_make_scratch(s: Scrub) -> Verdict:
+    """Prolog: create the job's scratch dir (a requeued run's is kept and re-owned) and check it."""
     try:
         files.make_scratch(s.cfg.scratch_root, s.job.job_id, s.job.uid, s.job.gid)
         error = ""
@@ -100,6 +108,7 @@ def step_make_scratch(s: Scrub) -> Verdict:
 
 
 def judge_removed(removed: files.Removed, left: int, what: str) -> Verdict:
+    """OK only when nothing is ``left``, no removal failed and no other user's entry was met (``what``: the place)."""
     figures: Figures = {"files_removed": removed.files, "dirs_removed": removed.dirs,
                         "bytes_removed": removed.bytes, "foreign_left": removed.foreign}
     if removed.errors or left or removed.foreign:
@@ -111,6 +120,7 @@ def judge_removed(removed: files.Removed, left: int, what: str) -> Verdict:
 
 
 def step_remove_scratch(s: Scrub) -> Verdict:
+    """Epilog: remove the job's scratch dir where the job user owns it; fails if anything of it is left."""
     removed = files.remove_path(s.scratch, s.job.uid)
     left = 1 if files.dir_state(s.scratch).exists else 0
     return judge_removed(removed, left, "scratch")
@@ -129,6 +139,7 @@ def _undecided_message(ps: list[procs.Proc]) -> str:
 
 
 def judge_leftovers(found: list[procs.Proc], undecided: list[procs.Proc] | None = None) -> Verdict:
+    """Fails on any leftover tenant process (``found``) and on any whose cgroup cannot be placed (``undecided``)."""
     undecided = undecided or []
     if undecided:
         return fail(_undecided_message(undecided), processes=_describe(found + undecided))
@@ -164,6 +175,7 @@ def step_leftover_processes(s: Scrub, settle_s: float = LEFTOVER_SETTLE_S) -> Ve
 
 def judge_kill(rounds: list[procs.KillResult], left: list[procs.Proc],
                undecided: list[procs.Proc] | None = None) -> Verdict:
+    """OK when no target is ``left`` and none ``undecided``; figures: killed, needed SIGKILL, never signalled."""
     undecided = undecided or []
     killed = [p for r in rounds for p in r.killed]
     forced = sum(len(r.needed_kill) for r in rounds)
@@ -233,6 +245,8 @@ def _settled_live_jobs(s: Scrub, tries: int = 20, pause_s: float = 0.1) -> dict[
 
 
 def step_remove_tmp_files(s: Scrub) -> Verdict:
+    """Epilog: remove the job user's entries in the tmp dirs; skipped while it has another live
+    job on this host, failed while a live job's user cannot be told (see judge_other_jobs)."""
     where = "+".join(map(str, s.cfg.tmp_dirs))
     v = judge_other_jobs(_settled_live_jobs(s), s.job.uid, s.job.job_id,
                          ", ".join(map(str, s.cfg.tmp_dirs)))
@@ -249,6 +263,7 @@ def step_remove_tmp_files(s: Scrub) -> Verdict:
 
 # -------------------------------------------------------------------------- GPUs
 def judge_device_holders(holders: dict[str, list[tuple[int, int]]], allowed_uids: set[int]) -> Verdict:
+    """Fails when a process of a uid not in ``allowed_uids`` holds a device file open; skipped without devices."""
     bad = {dev: [pid for pid, uid in hs if uid not in allowed_uids] for dev, hs in holders.items()}
     bad = {d: pids for d, pids in bad.items() if pids}
     if not holders:
@@ -259,15 +274,19 @@ def judge_device_holders(holders: dict[str, list[tuple[int, int]]], allowed_uids
 
 
 def step_prolog_device_holders(s: Scrub) -> Verdict:
+    """Prolog: only root and the job user may hold the job's GPU device files open."""
     return judge_device_holders(procs.device_holders(s.cfg.proc_root, s.gpu_files), {0, s.job.uid})
 
 
 def step_epilog_device_holders(s: Scrub) -> Verdict:
+    """Epilog: only root may still hold the job's GPU device files open."""
     return judge_device_holders(procs.device_holders(s.cfg.proc_root, s.gpu_files), {0})
 
 
 def judge_gpu_processes(info: dict[int, gpu.GpuInfo] | None, minors: list[int],
                         pid_uid: dict[int, int | None], allowed_uids: set[int], me: int) -> Verdict:
+    """Fails when NVML misses one of ``minors`` or shows a compute process (other than ``me``) of a uid
+    not in ``allowed_uids``; a pid of unknown uid counts as foreign. Skipped without GPUs or driver."""
     if not minors:
         return skipped("the job has no GPU")
     if info is None:
@@ -292,6 +311,7 @@ def _pid_uids(info: dict[int, gpu.GpuInfo] | None, proc_root: Path) -> dict[int,
 
 
 def step_prolog_gpu_processes(s: Scrub) -> Verdict:
+    """Prolog: no compute process but the job user's (and the scrubber's) on the job's GPUs."""
     minors = s.minors()
     info = gpu.gpu_info(minors) if minors else None
     return judge_gpu_processes(info, minors, _pid_uids(info, s.cfg.proc_root), {s.job.uid},
@@ -299,6 +319,7 @@ def step_prolog_gpu_processes(s: Scrub) -> Verdict:
 
 
 def step_epilog_gpu_processes(s: Scrub) -> Verdict:
+    """Epilog: no compute process but the scrubber's own left on the job's GPUs."""
     minors = s.minors()
     info = gpu.gpu_info(minors) if minors else None
     return judge_gpu_processes(info, minors, _pid_uids(info, s.cfg.proc_root), set(), os.getpid())
@@ -306,6 +327,7 @@ def step_epilog_gpu_processes(s: Scrub) -> Verdict:
 
 def judge_gpu_memory(info: dict[int, gpu.GpuInfo] | None, minors: list[int],
                      tolerance_bytes: int) -> Verdict:
+    """Fails when NVML misses a job GPU or one has more than ``tolerance_bytes`` in use (skipped: no GPU, no driver)."""
     if not minors:
         return skipped("the job has no GPU")
     if info is None:
@@ -317,6 +339,7 @@ def judge_gpu_memory(info: dict[int, gpu.GpuInfo] | None, minors: list[int],
 
 
 def step_gpu_memory(s: Scrub) -> Verdict:
+    """Prolog: the job's GPUs have no more memory in use than ``gpu_used_tolerance_mb``."""
     minors = s.minors()
     info = gpu.gpu_info(minors) if minors else None
     return judge_gpu_memory(info, minors, s.cfg.gpu_used_tolerance_mb << 20)
@@ -337,6 +360,7 @@ def _percent(fraction: float) -> str:
 
 
 def judge_wipe(results: list[gpu.WipeResult], expected: int) -> Verdict:
+    """OK when all ``expected`` GPUs were wiped, each over WIPE_MIN_PERCENT of its free memory, and read back zero."""
     wiped = sum(r.wiped_bytes for r in results)
     free = sum(r.free_bytes for r in results)
     seconds = sum(r.seconds for r in results)
@@ -360,6 +384,7 @@ def judge_wipe(results: list[gpu.WipeResult], expected: int) -> Verdict:
 
 
 def step_gpu_wipe(s: Scrub) -> Verdict:
+    """Epilog: zero and verify the free memory of every job GPU with torch; fails without torch+CUDA."""
     minors = s.minors()
     if not minors:
         return skipped("the job has no GPU")

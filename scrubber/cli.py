@@ -15,6 +15,7 @@ EXIT_CONFIG = 2
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The prolog/epilog command line (argparse exits on a bad one); given paths override the TOML's."""
     p = argparse.ArgumentParser(prog="python -m scrubber",
                                 description="slurm-finetune prolog/epilog: scratch, leftover "
                                             "processes, GPU wipe, scrub report")

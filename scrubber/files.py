@@ -47,6 +47,7 @@ class Removed:
     first_error: str = ""
 
     def add(self, other: Removed) -> None:
+        """Add ``other``'s counts to these; the first error reason seen is kept."""
         self.files += other.files
         self.dirs += other.dirs
         self.bytes += other.bytes

@@ -60,6 +60,7 @@ def job_gpu_files(gres_conf: str, node: str, indices: Sequence[int]) -> list[str
 
 
 def read_gres_conf(path: Path) -> str:
+    """The text of gres.conf; "" when the file does not exist."""
     try:
         return path.read_text()
     except FileNotFoundError:
@@ -67,6 +68,7 @@ def read_gres_conf(path: Path) -> str:
 
 
 def device_minor(path: str) -> int | None:
+    """The minor device number of the device file ``path``; None when it cannot be stat'ed."""
     try:
         return os.minor(os.stat(path).st_rdev)
     except OSError:
@@ -140,6 +142,7 @@ class WipeResult:
 
     @property
     def gb_per_s(self) -> float:
+        """Wipe throughput in GB/s (10^9 bytes); 0 when no time was measured."""
         return self.wiped_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
     @property

@@ -84,6 +84,7 @@ class Proc:
 
     @property
     def where(self) -> Where:
+        """Where the process's cgroup places it (Slurm job, node, uid), parsed from ``cgroup``."""
         return cgroup_where(self.cgroup)
 
 
@@ -160,6 +161,7 @@ def cgroup_where(text: str) -> Where:
 
 
 def stepd_job(cmdline: bytes) -> int | None:
+    """The job id of a ``slurmstepd: [<job>.<step>]`` command line (NUL-separated argv); None otherwise."""
     m = _STEPD.match(cmdline.split(b"\0")[0].decode(errors="replace"))
     return int(m["job"]) if m else None
 
@@ -293,9 +295,17 @@ class Handle(Protocol):
     """A process that can be signalled without naming its pid again."""
     proc: Proc
 
-    def send(self, sig: int) -> bool: ...  # False: it is gone
-    def gone(self) -> bool: ...
-    def close(self) -> None: ...
+    def send(self, sig: int) -> bool:
+        """Send ``sig``; False when the process is gone."""
+        ...
+
+    def gone(self) -> bool:
+        """Whether the process has exited."""
+        ...
+
+    def close(self) -> None:
+        """Release the handle."""
+        ...
 
 
 class Pidfd:
@@ -305,6 +315,7 @@ class Pidfd:
         self.proc, self.fd = proc, fd
 
     def send(self, sig: int) -> bool:
+        """Send ``sig`` through the pidfd; False when the process has already exited."""
         try:
             signal.pidfd_send_signal(self.fd, sig)
         except ProcessLookupError:
@@ -318,6 +329,7 @@ class Pidfd:
         return bool(poller.poll(0))
 
     def close(self) -> None:
+        """Close the pidfd."""
         os.close(self.fd)
 
 

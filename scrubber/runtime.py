@@ -33,6 +33,7 @@ class StepResult:
     figures: dict[str, Any]
 
     def as_dict(self) -> dict[str, Any]:
+        """The step's entry in the report's ``steps`` list (seconds rounded to 0.1 ms)."""
         return {"name": self.name, "status": self.status.value, "message": self.message,
                 "seconds": round(self.seconds, 4), "figures": self.figures}
 
@@ -52,6 +53,7 @@ def run_step(step: Step, scrub: Scrub) -> StepResult:
 
 
 def outcome(results: Sequence[StepResult]) -> Status:
+    """FAIL when any step failed, else OK (skipped steps count as passing)."""
     return Status.FAIL if any(r.status is Status.FAIL for r in results) else Status.OK
 
 
@@ -71,6 +73,7 @@ def build_report(kind: str, scrub: Scrub, results: Sequence[StepResult], started
 
 
 def report_path(report_dir: Path, node: str, job_id: int, kind: str) -> Path:
+    """Where the report goes: ``<report_dir>/<node>/<job_id>-<kind>.json``."""
     return report_dir / node / f"{job_id}-{kind}.json"
 
 
@@ -100,6 +103,7 @@ def log_line(kind: str, job: JobContext, r: StepResult) -> str:
 
 
 def append_log(log_dir: Path, lines: Sequence[str]) -> None:
+    """Append ``lines`` to ``<log_dir>/scrubber.log``; an OSError is swallowed (the report still tells)."""
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
         with open(log_dir / "scrubber.log", "a") as f:
@@ -109,6 +113,7 @@ def append_log(log_dir: Path, lines: Sequence[str]) -> None:
 
 
 def check_plan_config(cfg: ScrubConfig) -> None:
+    """Raise ScrubConfigError when ``fail_step`` names no step of any plan."""
     if cfg.fail_step and cfg.fail_step not in STEP_NAMES:
         raise ScrubConfigError(f"{cfg.source}: fail_step = {cfg.fail_step!r} names no step; "
                                f"steps: {', '.join(STEP_NAMES)}")

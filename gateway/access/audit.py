@@ -71,6 +71,7 @@ def canonical(fields: dict[str, Any]) -> bytes:
 
 
 def entry_hash(fields: dict[str, Any]) -> str:
+    """The sha256 (hex) of an entry's canonical bytes: what the next entry's ``prev_hash`` names."""
     return hashlib.sha256(canonical(fields)).hexdigest()
 
 
@@ -99,6 +100,7 @@ def use_key_file(engine: Engine, path: Path | str) -> None:
 
 
 def key_file_for(engine: Engine | None) -> Path:
+    """The anchor key file for ``engine``: the one ``use_key_file`` set, else the ``audit_key_file`` setting."""
     path = _key_files.get(engine) if engine is not None else None
     return path if path is not None else get_settings().audit_key_file
 
@@ -304,6 +306,7 @@ class Verdict:
     key_id: str = ""
 
     def message(self) -> str:
+        """One line for the operator: intact, not verified (the anchor could not be checked) or broken where."""
         if self.ok:
             return (f"audit log intact: {self.entries} entries, head {self.head_hash}, "
                     f"anchored by its HMAC (key id {self.key_id})")

@@ -214,4 +214,5 @@ def decide(requests: Sequence[GrantView], now: datetime, resource: str) -> Decis
 
 
 def grant_views(rows: Iterable[Any]) -> list[GrantView]:
+    """A GrantView of each access request row (its ``decided_at`` as ``approved_at``)."""
     return [GrantView(r.id, r.status, r.created_at, r.decided_at, r.expires_at) for r in rows]

@@ -45,6 +45,7 @@ def db_now(db: Any) -> datetime:
 
 
 def actor(principal: Principal) -> audit.Actor:
+    """The audit actor for ``principal``: its token id and role."""
     return audit.Actor(principal.token_id, principal.role.value)
 
 
@@ -106,12 +107,14 @@ def request_access(*, session: Session, principal: Principal, tenant: str, resou
 
 
 def list_own_requests(*, session: Session, principal: Principal) -> list[AccessRequest]:
+    """The access requests this operator token made, newest first; Forbidden for a non-operator."""
     _operator(principal)
     q = select(AccessRequest).where(AccessRequest.requester_token_id == principal.token_id)
     return list(session.exec(q.order_by(col(AccessRequest.created_at).desc())))
 
 
 def tenant_names(*, session: Session, ids: set[int]) -> dict[int, str]:
+    """Tenant id → name for these ids (unknown ids are left out)."""
     if not ids:
         return {}
     return {t.id: t.name for t in session.exec(select(Tenant).where(col(Tenant.id).in_(ids))) if t.id is not None}
@@ -220,6 +223,7 @@ def job_result_file(*, session: Session, job: FineTuningJob, file_id: str) -> Da
 
 
 def job_events(*, session: Session, job: FineTuningJob, limit: int) -> list[JobEvent]:
+    """The job's newest ``limit`` events, newest first (the caller has checked the grant)."""
     q = select(JobEvent).where(JobEvent.job_id == job.id).order_by(col(JobEvent.id).desc()).limit(limit)
     return list(session.exec(q))
 
@@ -300,6 +304,7 @@ def tenant_audit(*, session: Session, principal: Principal, after: int | None, l
 
 
 def audit_object(e: AuditEntry) -> dict[str, Any]:
+    """The API shape of an audit entry (``audit.entry``), its hash included."""
     return {"object": "audit.entry", "seq": e.seq, "at": e.at.isoformat(), "actor_token_id": e.actor_token_id,
             "actor_role": e.actor_role, "tenant": e.tenant, "resource": e.resource, "action": e.action,
             "grant_id": e.grant_id, "outcome": e.outcome, "reason": e.reason, "hash": e.hash}

@@ -62,6 +62,7 @@ def local_admin() -> Minter:
 
 
 def principal_label(p: Principal) -> str:
+    """``token #<id> (<role> of <tenant>)`` (no tenant: ``(<role>)``): the caller as a Minter label."""
     return f"token #{p.token_id} ({p.role.value}" + (f" of {p.tenant_name})" if p.tenant_name else ")")
 
 
@@ -75,6 +76,7 @@ def minter_of(*, session: Session, principal: Principal) -> Minter:
 
 
 def hash_token(token: str) -> str:
+    """The sha256 (hex) of a token secret: what the token row stores and a lookup matches."""
     return hashlib.sha256(token.encode()).hexdigest()
 
 

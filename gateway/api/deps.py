@@ -24,6 +24,7 @@ from gateway.errors import Forbidden, Unauthorized
 
 
 async def get_settings(request: Request) -> Settings:
+    """The app's Settings (``app.state.settings``)."""
     return request.app.state.settings  # type: ignore[no-any-return]
 
 
@@ -43,12 +44,14 @@ class PrincipalCache:
         self._lock = threading.Lock()
 
     def get(self, key: str) -> Principal | None:
+        """The principal cached under ``key``; None when there is none or it is older than ``ttl_s``."""
         hit = self._data.get(key)
         if hit is None or time.monotonic() - hit[0] > self.ttl_s:
             return None
         return hit[1]
 
     def put(self, key: str, principal: Principal) -> None:
+        """Cache ``principal`` under ``key`` (the token's sha256); a full cache is emptied first."""
         with self._lock:
             if len(self._data) >= self.max_entries:
                 self._data.clear()
@@ -56,6 +59,8 @@ class PrincipalCache:
 
 
 async def get_principal(request: Request, session: Annotated[Session, Depends(get_session)]) -> Principal:
+    """The caller, from ``Authorization: Bearer <token>`` (cached ``ttl_s``); Unauthorized when the
+    header is missing or the token is unknown or revoked."""
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     token = token.strip()
@@ -87,6 +92,7 @@ def now_for(request: Request, session: Session) -> datetime:
 
 
 async def get_now(request: Request, session: SessionDep) -> datetime:
+    """The request's clock (``now_for``): DB time unless a test set ``app.state.clock``."""
     return now_for(request, session)
 
 

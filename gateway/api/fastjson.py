@@ -18,4 +18,5 @@ class FastJSON(Response):
     media_type = "application/json"
 
     def render(self, content: Any) -> bytes:
+        """``content`` encoded by msgspec (no jsonable_encoder pass)."""
         return _ENCODE(content)

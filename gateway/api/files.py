@@ -65,6 +65,8 @@ def list_files(session: SessionDep, principal: PrincipalDep, purpose: str | None
                after: str | None = Query(None, pattern=FILE_ID),
                limit: int = Query(10000, ge=1, le=10000),
                order: Literal["asc", "desc"] = "desc") -> FastJSON:
+    """List this tenant's files, newest first (``order=asc``: oldest first), optionally of one ``purpose``.
+    Paginate with ``after`` (a file id; an unknown one gives an empty page)."""
     rows, more = svc.list_files(session=session, principal=principal, purpose=purpose,
                                 after=after, limit=limit, order=order)
     return FastJSON({"object": "list", "data": [file_object(r) for r in rows], "has_more": more,
@@ -73,12 +75,14 @@ def list_files(session: SessionDep, principal: PrincipalDep, purpose: str | None
 
 @router.get("/{file_id}")
 def retrieve_file(file_id: str, session: SessionDep, principal: PrincipalDep) -> FastJSON:
+    """One of this tenant's files, with its validation report; 404 for an unknown or deleted id."""
     return FastJSON(file_object(svc.get_file(session=session, principal=principal, file_id=file_id)))
 
 
 @router.get("/{file_id}/content")
 def file_content(file_id: str, session: SessionDep, settings: SettingsDep,
                  principal: PrincipalDep) -> StreamingResponse:
+    """The file's bytes (JSONL) as they were uploaded."""
     row = svc.get_file(session=session, principal=principal, file_id=file_id)
     assert principal.tenant_name is not None
     return StreamingResponse(svc.stream_file(settings, principal.tenant_name, row), media_type="application/jsonl",
@@ -88,5 +92,8 @@ def file_content(file_id: str, session: SessionDep, settings: SettingsDep,
 @router.delete("/{file_id}")
 def delete_file(file_id: str, session: SessionDep, settings: SettingsDep,
                 principal: PrincipalDep) -> dict[str, Any]:
+    """Delete a file; 409 (``file_in_use``) while a job that uses it has not finished.
+
+    Identical uploads share their stored bytes, which leave storage with the last of them."""
     svc.delete_file(session=session, settings=settings, principal=principal, file_id=file_id)
     return {"id": file_id, "object": "file", "deleted": True}

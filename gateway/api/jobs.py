@@ -78,11 +78,13 @@ def job_object(job: FineTuningJob, tenant: str) -> dict[str, Any]:
 
 
 def event_object(ev: JobEvent) -> dict[str, Any]:
+    """OpenAI's ``fine_tuning.job.event`` object (id ``ftevent-<n>``)."""
     return {"object": "fine_tuning.job.event", "id": f"ftevent-{ev.id}", "created_at": _ts(ev.created_at),
             "level": ev.level, "message": ev.message, "data": ev.data or {}, "type": ev.type}
 
 
 def checkpoint_object(ck: JobCheckpoint, job: FineTuningJob) -> dict[str, Any]:
+    """OpenAI's ``fine_tuning.job.checkpoint`` object; metrics without a value are left out."""
     return {"object": "fine_tuning.job.checkpoint", "id": ck.id, "created_at": _ts(ck.created_at),
             "fine_tuned_model_checkpoint": f"{job.fine_tuned_model or 'ft:' + job.model}:ckpt-step-{ck.step}",
             "fine_tuning_job_id": job.id, "step_number": ck.step,
@@ -112,6 +114,7 @@ def create_job(body: CreateJob, request: Request, session: SessionDep, settings:
 @router.get("")
 def list_jobs(session: SessionDep, principal: PrincipalDep, after: str | None = Query(None, pattern=JOB_ID),
               limit: int = Query(20, ge=1, le=100)) -> FastJSON:
+    """List this tenant's fine-tuning jobs, newest first (OpenAI's cursor pagination: ``after`` a job id)."""
     rows, more = svc.list_jobs(session=session, principal=principal, after=after, limit=limit)
     assert principal.tenant_name is not None
     return FastJSON({"object": "list", "data": [job_object(j, principal.tenant_name) for j in rows], "has_more": more})
@@ -119,6 +122,7 @@ def list_jobs(session: SessionDep, principal: PrincipalDep, after: str | None = 
 
 @router.get("/{job_id}")
 def retrieve_job(job_id: str, session: SessionDep, principal: PrincipalDep) -> FastJSON:
+    """One of this tenant's fine-tuning jobs; 404 for an unknown id."""
     job = svc.get_job(session=session, principal=principal, job_id=job_id)
     assert principal.tenant_name is not None
     return FastJSON(job_object(job, principal.tenant_name))
@@ -137,6 +141,7 @@ def cancel_job(job_id: str, request: Request, session: SessionDep, principal: Pr
 def list_events(job_id: str, session: SessionDep, principal: PrincipalDep,
                 after: str | None = Query(None, pattern=r"^ftevent-\d{1,18}$"),
                 limit: int = Query(20, ge=1, le=1000)) -> FastJSON:
+    """A job's events, newest first; ``after`` (an event id) pages on to older ones."""
     cursor = int(after.removeprefix("ftevent-")) if after else None
     rows, more = svc.list_events(session=session, principal=principal, job_id=job_id, after=cursor, limit=limit)
     return FastJSON({"object": "list", "data": [event_object(e) for e in rows], "has_more": more})
@@ -145,6 +150,7 @@ def list_events(job_id: str, session: SessionDep, principal: PrincipalDep,
 @router.get("/{job_id}/checkpoints")
 def list_checkpoints(job_id: str, session: SessionDep, principal: PrincipalDep,
                      limit: int = Query(10, ge=1, le=100)) -> FastJSON:
+    """A job's checkpoints, highest step first (the first ``limit``; ``has_more`` is always false)."""
     job = svc.get_job(session=session, principal=principal, job_id=job_id)
     rows = svc.list_checkpoints(session=session, principal=principal, job_id=job_id)[:limit]
     return FastJSON({"object": "list", "data": [checkpoint_object(c, job) for c in rows], "has_more": False,

@@ -67,6 +67,7 @@ class BodyLimit:
         await self.app(scope, receive, send)
 
     async def refuse(self, send: Send) -> None:
+        """Answer 413 with the JSON error body (``request_too_large``)."""
         # fresh messages: a middleware further out may edit a message's headers in place
         await send({"type": "http.response.start", "status": 413, "headers": list(self._headers)})
         await send({"type": "http.response.body", "body": self._body})

@@ -34,6 +34,7 @@ def _ft_model(job: FineTuningJob, tenant: str) -> dict[str, Any]:
 
 @router.get("", dependencies=[access(Policy.AUTHENTICATED)])
 def list_models(session: SessionDep, settings: SettingsDep, principal: PrincipalDep) -> dict[str, Any]:
+    """List the base models and, for a tenant token, the tenant's own fine-tuned models."""
     data = _catalog(settings)
     if principal.tenant_name:       # tenant tokens: their own fine-tuned models too
         data += [_ft_model(j, principal.tenant_name)
@@ -44,6 +45,7 @@ def list_models(session: SessionDep, settings: SettingsDep, principal: Principal
 @router.get("/{model_id:path}", dependencies=[access(Policy.AUTHENTICATED)])
 def retrieve_model(model_id: str, session: SessionDep, settings: SettingsDep,
                    principal: PrincipalDep) -> dict[str, Any]:
+    """One model of ``GET /v1/models`` by id (a base model or one of the tenant's); 404 otherwise."""
     for m in list_models(session, settings, principal)["data"]:
         if m["id"] == model_id:
             return m

@@ -57,6 +57,8 @@ def tenant_metadata(tenant: str, kind: Literal["jobs", "files"], request: Reques
 
 @router.post("/v1/staff/access-requests", dependencies=STAFF, status_code=201)
 def create_request(body: NewRequest, session: SessionDep, principal: PrincipalDep, now: NowDep) -> dict[str, Any]:
+    """Ask for access to one resource of a tenant (``job:ID`` or ``file:ID``) for ``duration``
+    (``90m``, ``2h``, ``1d``; 1 minute to 7 days); pending until the tenant's admin decides. Audited."""
     req = svc.request_access(session=session, principal=principal, tenant=body.tenant, resource=body.resource,
                              reason=body.reason, duration=body.duration, now=now)
     return svc.request_object(req, body.tenant, now)
@@ -64,6 +66,7 @@ def create_request(body: NewRequest, session: SessionDep, principal: PrincipalDe
 
 @router.get("/v1/staff/access-requests", dependencies=STAFF)
 def own_requests(session: SessionDep, principal: PrincipalDep, now: NowDep) -> dict[str, Any]:
+    """List the access requests this token made, newest first, each with its state now."""
     rows = svc.list_own_requests(session=session, principal=principal)
     names = svc.tenant_names(session=session, ids={r.tenant_id for r in rows})
     return {"object": "list", "data": [svc.request_object(r, names.get(r.tenant_id), now) for r in rows]}
@@ -107,6 +110,7 @@ def job_events(job_id: str, request: Request, session: SessionDep, principal: Pr
 # -------------------------------------------------------------------- tenants
 @router.get("/v1/access-requests", dependencies=TENANT)
 def tenant_requests(session: SessionDep, principal: PrincipalDep, now: NowDep) -> dict[str, Any]:
+    """List the access requests for this tenant's resources, newest first (any member may read them)."""
     rows = svc.list_tenant_requests(session=session, principal=principal)
     return {"object": "list", "data": [svc.request_object(r, principal.tenant_name, now) for r in rows]}
 
@@ -114,6 +118,9 @@ def tenant_requests(session: SessionDep, principal: PrincipalDep, now: NowDep) -
 @router.post("/v1/access-requests/{request_id}/{action}", dependencies=TENANT_ADMIN)
 def decide(request_id: str, action: Literal["approve", "deny", "revoke"], session: SessionDep,
            principal: PrincipalDep, now: NowDep) -> dict[str, Any]:
+    """Approve or deny a pending access request, or revoke an active grant (tenant admins; audited).
+
+    409 when the request is not in a state that allows ``action``."""
     req = svc.decide_request(session=session, principal=principal, request_id=request_id, action=action, now=now)
     return svc.request_object(req, principal.tenant_name, now)
 
@@ -155,5 +162,6 @@ def rotate_token(session: SessionDep, principal: PrincipalDep, now: NowDep) -> d
 @router.post("/v1/tokens/{token_id}/revoke", dependencies=TENANT_ADMIN)
 def revoke_token(token_id: Annotated[int, Path(ge=1, le=2**31 - 1)], session: SessionDep,
                  principal: PrincipalDep, now: NowDep) -> dict[str, Any]:
+    """Revoke one of this tenant's tokens (tenant admins); 404 for an id outside the tenant."""
     row = tokens_svc.revoke_tenant_token(session=session, principal=principal, token_id=token_id, now=now)
     return tokens_svc.token_object(row)

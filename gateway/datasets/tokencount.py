@@ -55,12 +55,14 @@ class HFTokenCounter:
         return {role: max(0, n) + 2 for role, n in over.items()}
 
     def bound(self, messages: list[dict[str, Any]]) -> int | None:
+        """An upper bound on the example's tokens from its content bytes; None when this tokenizer has none."""
         if self._overhead is None:
             return None
         o = self._overhead
         return 8 + sum(len(m["content"].encode()) + o[m["role"]] for m in messages)
 
     def count(self, conversations: Sequence[list[dict[str, Any]]]) -> list[tuple[int, int]]:
+        """(total tokens, assistant content tokens) per conversation, each batch tokenized at once."""
         convs = [[{"role": m["role"], "content": m["content"]} for m in c] for c in conversations]
         texts = self.tok.apply_chat_template(convs, tokenize=False)
         backend = self.tok.backend_tokenizer

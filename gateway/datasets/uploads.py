@@ -38,11 +38,13 @@ class Upload:
     report: dict[str, Any] | None = None
 
     def close_fd(self) -> None:
+        """Close the temp file's fd, once (its file stays)."""
         if self.stored is not None and self.stored.fd >= 0:
             os.close(self.stored.fd)
             self.stored.fd = -1
 
     def discard(self) -> None:
+        """Close the fd and remove the temp file; a failed removal is left to the storage sweep."""
         self.close_fd()
         if self.stored is not None and self.store is not None:
             try:

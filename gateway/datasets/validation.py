@@ -387,6 +387,7 @@ class LineSplitter:
         self.total = 0
 
     def feed(self, chunk: bytes) -> None:
+        """Pass on every line ``chunk`` completes to the validator; keep the unfinished rest (capped)."""
         self.total += len(chunk)
         parts = chunk.split(b"\n")
         if len(parts) == 1:
@@ -412,6 +413,7 @@ class LineSplitter:
         self.v.feed(self.lineno, raw, length)
 
     def finish(self, over_limit: int | None = None) -> dict[str, Any]:
+        """Emit the last line (unless the upload hit ``over_limit``) and return the validator's report."""
         if self.rest_len and over_limit is None:
             self._emit(self.rest, self.rest_len)
         return self.v.finish(total_bytes=self.total, over_limit=over_limit)

@@ -65,6 +65,8 @@ class Reconciler:
 
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
+        """Run ``cycle`` every ``reconcile_interval_s`` until ``stop`` is set; a failing cycle is logged and
+        retried with a doubling delay (at most ``reconcile_max_backoff_s``)."""
         delay = self.settings.reconcile_interval_s
         while not self.stop.is_set():
             try:

@@ -40,6 +40,8 @@ class Submitter:
         self._lock = threading.Lock()
 
     def allowed_qos(self, tenant: str) -> tuple[str, ...]:
+        """The QOS tiers the tenant's account may use (cached ``qos_ttl_s``); local mode's one ``local``.
+        Raises KeyError for a tenant without a Slurm account."""
         if self.settings.local:
             from gateway.local import QOS
 

@@ -22,6 +22,8 @@ router = APIRouter(prefix="/portal/access", route_class=PortalRoute, include_in_
 
 @router.get("", dependencies=[portal_access(Policy.TENANT)])
 def access_page(request: Request, session: SessionDep, user: UserDep, done: str | None = None) -> Response:
+    """The tenant's access requests and its latest 50 audit entries; decision buttons only for an admin
+    whose decisions are not refused (e.g. not an operator-minted admin token)."""
     now = now_for(request, session)
     reqs = svc.list_tenant_requests(session=session, principal=user.principal)
     entries = svc.tenant_audit(session=session, principal=user.principal, after=None, limit=50)
@@ -34,6 +36,7 @@ def access_page(request: Request, session: SessionDep, user: UserDep, done: str 
 @router.post("/{request_id}/{action}", dependencies=[portal_access(Policy.TENANT_ADMIN)])
 def decide(request_id: str, action: Literal["approve", "deny", "revoke"], request: Request, session: SessionDep,
            user: UserDep, csrf: Annotated[str, Form(max_length=100)] = "") -> Response:
+    """Approve, deny or revoke an access request (tenant admins, CSRF-checked); back to the access page."""
     check_csrf(user.csrf, csrf)
     svc.decide_request(session=session, principal=user.principal, request_id=request_id, action=action,
                        now=now_for(request, session))

@@ -19,6 +19,7 @@ router = APIRouter(prefix="/portal/admin", route_class=PortalRoute, include_in_s
 
 
 def get_admin(user: UserDep) -> PortalUser:
+    """The signed-in user when it holds a sysadmin token; Forbidden otherwise."""
     if not user.is_admin:
         raise Forbidden("The admin pages need a sysadmin token; yours belongs to "
                         f"{user.label}. Sign in with a sysadmin token to see them.")

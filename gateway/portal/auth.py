@@ -42,12 +42,14 @@ def safe_next(target: str | None, default: str) -> str:
 
 @router.get("/", dependencies=[portal_access(Policy.PUBLIC)])
 def root() -> Response:
+    """Redirect the site root to the portal."""
     return RedirectResponse("/portal/", status_code=307)
 
 
 @router.get("/portal", dependencies=[portal_access(Policy.PUBLIC)])
 @router.get("/portal/", dependencies=[portal_access(Policy.PUBLIC)])
 def home(request: Request, session: SessionDep) -> Response:
+    """Redirect to the admin pages (sysadmin), the jobs page (anyone else signed in) or the sign-in page."""
     try:
         user = current_user(request, session)
     except NeedLogin:
@@ -64,6 +66,7 @@ def _login_page(request: Request, *, next_: str, error: str | None = None, statu
 
 @router.get("/portal/login", dependencies=[portal_access(Policy.PUBLIC)])
 def login_form(request: Request, next: str | None = None) -> Response:
+    """The sign-in page; it sets the login cookie that carries the form's CSRF token."""
     return _login_page(request, next_=safe_next(next, ""))
 
 
@@ -71,6 +74,8 @@ def login_form(request: Request, next: str | None = None) -> Response:
 def login(request: Request, session: SessionDep, token: Annotated[str, Form(max_length=200)] = "",
           csrf: Annotated[str, Form(max_length=100)] = "",
           next: Annotated[str, Form(max_length=500)] = "") -> Response:
+    """Sign in with an API token: open a portal session and redirect to ``next`` (a portal path only);
+    401 with the form again for an invalid or revoked token."""
     key = portal_key(request)
     pre = unsign(key, request.cookies.get(LOGIN_COOKIE))
     check_csrf(str(pre["csrf"]) if pre else "", csrf)

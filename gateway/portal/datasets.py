@@ -24,6 +24,7 @@ DATASETS = "fine-tune"
 
 
 def catalog_names(settings: Settings) -> list[str]:
+    """The base model names of the catalog, sorted."""
     from trainer import catalog
 
     return sorted({e.name for e in catalog.list_models(settings.models_root)})
@@ -32,6 +33,7 @@ def catalog_names(settings: Settings) -> list[str]:
 @router.get("/datasets")
 def list_datasets(request: Request, session: SessionDep, settings: SettingsDep, user: UserDep,
                   deleted: str | None = None) -> Response:
+    """The tenant's datasets, newest first, and the upload form."""
     rows, _ = svc.list_files(session=session, principal=user.principal, purpose=DATASETS)
     return render(request, "datasets.html", user=user, files=rows, models=catalog_names(settings),
                   default_model=settings.default_model, limit=settings.max_upload_bytes,
@@ -84,6 +86,7 @@ def report_view(row: DataFile) -> dict[str, Any]:
 
 @router.get("/datasets/{file_id}")
 def show_dataset(file_id: str, request: Request, session: SessionDep, user: UserDep) -> Response:
+    """One dataset with its validation report."""
     row = svc.get_file(session=session, principal=user.principal, file_id=file_id)
     return render(request, "dataset.html", user=user, f=row, report=report_view(row))
 
@@ -91,6 +94,7 @@ def show_dataset(file_id: str, request: Request, session: SessionDep, user: User
 @router.post("/datasets/{file_id}/delete")
 def delete_dataset(file_id: str, session: SessionDep, settings: SettingsDep, user: UserDep,
                    csrf: Annotated[str, Form(max_length=100)] = "") -> Response:
+    """Delete a dataset (CSRF-checked; refused while a job uses it) and go back to the list."""
     check_csrf(user.csrf, csrf)
     row = svc.get_file(session=session, principal=user.principal, file_id=file_id)
     svc.delete_file(session=session, settings=settings, principal=user.principal, file_id=file_id)

@@ -39,6 +39,7 @@ env.globals.update(badge=badge)
 @router.get("")
 def list_jobs(request: Request, session: SessionDep, user: UserDep,
               after: str | None = Query(None, pattern=JOB_ID)) -> Response:
+    """The tenant's jobs, newest first, 50 a page (``after``: the last job id of the previous page)."""
     rows, more = svc.list_jobs(session=session, principal=user.principal, after=after, limit=50)
     return render(request, "jobs.html", user=user, jobs=rows, more=more,
                   next_after=rows[-1].id if rows and more else None,
@@ -62,6 +63,7 @@ def _form_page(request: Request, session: Session, settings: Settings, user: Por
 @router.get("/new")
 def new_job(request: Request, session: SessionDep, settings: SettingsDep, user: UserDep,
             training_file: str | None = Query(None, pattern=JOB_ID)) -> Response:
+    """The create form, with a fresh idempotency key preselecting ``training_file`` or the newest validated dataset."""
     form = JobForm(model=settings.default_model or "", training_file=training_file or "",
                    idempotency_key=secrets.token_urlsafe(16))
     if not form.training_file:
@@ -94,12 +96,14 @@ def _estimate(request: Request, session: Session, settings: Settings, user: Port
 @router.get("/estimate")
 def estimate(request: Request, session: SessionDep, settings: SettingsDep, user: UserDep,
              training_file: str = Query("", max_length=64), epochs: int = Query(3, ge=1, le=100)) -> Response:
+    """JSON for the form's script: tokens, minutes and QOS tier the job would get; null for an unknown file."""
     est = _estimate(request, session, settings, user, training_file, epochs)
     return JSONResponse({"estimate": est})
 
 
 @router.post("")
 async def create_job(request: Request, session: SessionDep, settings: SettingsDep, user: UserDep) -> Response:
+    """Submit the create form (CSRF-checked): redirect to the new job, or the form again with the errors."""
     raw = {k: v for k, v in (await request.form()).items() if isinstance(v, str)}
     check_csrf(user.csrf, raw.get("csrf"))
     form, req, errors = parse_job_form(raw)
@@ -139,6 +143,7 @@ def _live_context(session: Session, user: PortalUser, job: FineTuningJob) -> dic
 
 @router.get("/{job_id}")
 def show_job(job_id: str, request: Request, session: SessionDep, user: UserDep) -> Response:
+    """One job's page: progress, events, loss curve, checkpoints and results."""
     job = svc.get_job(session=session, principal=user.principal, job_id=job_id)
     return render(request, "job.html", user=user, **_live_context(session, user, job))
 
@@ -156,6 +161,7 @@ def live(job_id: str, request: Request, session: SessionDep, user: UserDep) -> R
 
 @router.get("/{job_id}/cancel")
 def confirm_cancel(job_id: str, request: Request, session: SessionDep, user: UserDep) -> Response:
+    """The page that asks to confirm a cancellation."""
     job = svc.get_job(session=session, principal=user.principal, job_id=job_id)
     return render(request, "job_cancel.html", user=user, job=job, progress=progress_view(job))
 
@@ -163,6 +169,7 @@ def confirm_cancel(job_id: str, request: Request, session: SessionDep, user: Use
 @router.post("/{job_id}/cancel")
 def cancel(job_id: str, request: Request, session: SessionDep, user: UserDep,
            csrf: Annotated[str, Form(max_length=100)] = "") -> Response:
+    """Cancel the job (CSRF-checked) and go back to its page."""
     check_csrf(user.csrf, csrf)
     job = svc.cancel_job(session=session, principal=user.principal, job_id=job_id,
                          reconciler=request.app.state.reconciler)

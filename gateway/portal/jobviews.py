@@ -39,6 +39,7 @@ class JobForm:
     FIELDS: ClassVar[frozenset[str]] = frozenset()
 
     def epochs_value(self) -> int | None:
+        """``epochs`` as an int in 1..100; None when it is not one."""
         return _int(self.epochs, 1, 100)
 
 

@@ -55,10 +55,12 @@ class PortalUser:
 
     @property
     def is_admin(self) -> bool:
+        """Whether the user signed in with a sysadmin token."""
         return self.principal.role is Role.SYSADMIN
 
     @property
     def label(self) -> str:
+        """Who the user is, for the page header: ``<tenant> (<role>)``, or just the role."""
         p = self.principal
         return f"{p.tenant_name} ({p.role.value})" if p.tenant_name else p.role.value
 
@@ -112,6 +114,7 @@ def _read_key(path: Path) -> bytes:
 
 
 def sign(key: bytes, payload: dict[str, Any]) -> str:
+    """``payload`` as a cookie value: base64url JSON, a dot, and its HMAC-SHA256 under ``key`` (hex)."""
     body = base64.urlsafe_b64encode(json.dumps(payload, separators=(",", ":")).encode()).decode().rstrip("=")
     mac = hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
     return f"{body}.{mac}"
@@ -203,6 +206,7 @@ def check_csrf(expected: str, given: str | None) -> None:
 
 
 def portal_key(request: Request) -> bytes:
+    """The cookie signing key, loaded (or created) once per app by ``load_secret``."""
     state = request.app.state
     key = getattr(state, "portal_key", None)
     if key is None:
@@ -225,5 +229,7 @@ def secure_cookies(request: Request) -> bool:
 
 
 def cookie_args(request: Request, max_age: int) -> dict[str, Any]:
+    """``set_cookie`` arguments for a portal cookie: HttpOnly, SameSite=Strict, path /portal, Secure per
+    ``secure_cookies``."""
     return {"max_age": max_age, "httponly": True, "samesite": "strict", "path": "/portal",
             "secure": secure_cookies(request)}

@@ -71,10 +71,12 @@ def render(request: Request, name: str, *, user: PortalUser | None = None, statu
 
 
 def wants_json(request: Request) -> bool:
+    """Whether the request's Accept header asks for JSON (the pages' scripts) rather than HTML."""
     return "application/json" in request.headers.get("accept", "")
 
 
 def error_page(request: Request, status: int, message: str) -> Response:
+    """An error as JSON for a script, else as an HTML page (with the user's header when signed in)."""
     if wants_json(request):
         return JSONResponse({"error": {"message": message, "status": status}}, status_code=status)
     user = None
@@ -93,6 +95,8 @@ class PortalRoute(APIRoute):
     """Pages answer in HTML: sign-in redirects, readable error pages, security headers."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        """The route's handler, wrapped: NeedLogin redirects to sign-in, errors become error pages (500s get
+        a logged reference), and every response gets the security headers."""
         inner = super().get_route_handler()
 
         async def handler(request: Request) -> Response:
@@ -125,6 +129,7 @@ class PortalRoute(APIRoute):
 
 
 def get_user(request: Request, session: Annotated[Session, Depends(get_session)]) -> PortalUser:
+    """The signed-in user; NeedLogin (a redirect to the sign-in page) when there is none."""
     return current_user(request, session)
 
 

@@ -60,6 +60,7 @@ class JobRequest:
     idempotency_key: str | None = None
 
     def digest(self) -> str:
+        """sha256 of the request without its idempotency key: a reused key must come with the same request."""
         body = json.dumps({k: v for k, v in self.__dict__.items() if k != "idempotency_key"},
                           sort_keys=True, default=str)
         return hashlib.sha256(body.encode()).hexdigest()
@@ -92,6 +93,7 @@ def update_fields(session: Session, job: FineTuningJob, **changes: Any) -> None:
 def add_event(session: Session, job_id: str, message: str, *, level: str = "info",
               type_: str = "message", data: dict[str, Any] | None = None,
               created_at: datetime | None = None) -> None:
+    """Add an event to the job's log in the caller's transaction (message cut to 1000 characters)."""
     session.add(JobEvent(job_id=job_id, message=message[:1000], level=level, type=type_, data=data,
                          created_at=created_at or utcnow()))
 
@@ -118,6 +120,8 @@ def get_job(*, session: Session, principal: Principal, job_id: str) -> FineTunin
 
 def list_jobs(*, session: Session, principal: Principal, after: str | None, limit: int,
               metadata: dict[str, str] | None = None) -> tuple[list[FineTuningJob], bool]:
+    """The tenant's jobs, newest first, after the job ``after`` (NotFound when it is not the tenant's);
+    (page, has_more). With ``metadata``, only jobs whose metadata has those values."""
     tid = _tenant_id(principal)
     q = select(FineTuningJob).where(FineTuningJob.tenant_id == tid)
     if after:
@@ -146,6 +150,7 @@ def list_events(*, session: Session, principal: Principal, job_id: str, after: i
 
 
 def list_checkpoints(*, session: Session, principal: Principal, job_id: str) -> list[JobCheckpoint]:
+    """The job's checkpoints, highest step first; NotFound for a job that is not the tenant's."""
     get_job(session=session, principal=principal, job_id=job_id)
     q = select(JobCheckpoint).where(JobCheckpoint.job_id == job_id)
     return list(session.exec(q.order_by(col(JobCheckpoint.step).desc())))
@@ -384,7 +389,9 @@ def request_cancel(*, session: Session, principal: Principal, job_id: str) -> Fi
 class CancelStarter(Protocol):
     """What tells Slurm to stop a job (the reconciler: ``scancel`` in its own thread)."""
 
-    def start_cancel(self, slurm_id: int | None) -> None: ...
+    def start_cancel(self, slurm_id: int | None) -> None:
+        """Tell Slurm to stop the job ``slurm_id`` without waiting (nothing when it is None)."""
+        ...
 
 
 def cancel_job(*, session: Session, principal: Principal, job_id: str,

@@ -22,6 +22,7 @@ def ensure_tenant(*, session: Session, name: str) -> Tenant:
 
 
 def get_tenant(*, session: Session, name: str) -> Tenant:
+    """The tenant row called ``name``; NotFound (saying how to onboard it) when there is none."""
     tenant = session.exec(select(Tenant).where(Tenant.name == name)).first()
     if tenant is None:
         raise NotFound(f"no tenant {name!r}: onboard it with `finetune admin tenant add {name}`")

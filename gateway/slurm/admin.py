@@ -64,6 +64,7 @@ class Admin:
 
     # ----------------------------------------------------------------- QOS
     def existing_qos(self) -> set[str]:
+        """The names of every QOS the cluster has."""
         return {row[0] for row in self._show("qos", "format=Name")}
 
     def show_qos(self) -> list[QosRow]:
@@ -95,6 +96,7 @@ class Admin:
 
     # ------------------------------------------------------------- tenants
     def ensure_parent_account(self) -> None:
+        """Create the parent account that every tenant account sits under, unless it exists."""
         if not self._show("account", self.parent, "format=Account"):
             self._sacctmgr("add", "account", self.parent, f"Organization={ORGANIZATION}",
                            "Description=slurm-finetune tenants")
@@ -176,11 +178,13 @@ class Admin:
         create_tenant_root(self.storage_root, name, uid, gid)   # tenants/ 0711: not listable
 
     def list_tenants(self) -> list[Tenant]:
+        """Every tenant: the accounts directly under the parent account (their account rows, not user rows)."""
         rows = self._show("association", "format=Account,User,ParentName,Fairshare,QOS,DefaultQOS")
         return [self._tenant_from_row(r) for r in rows
                 if len(r) == 6 and r[1] == "" and r[2] == self.parent]
 
     def get_tenant(self, name: str) -> Tenant:
+        """The tenant ``name``; KeyError when no account of that name is under the parent."""
         for t in self.list_tenants():
             if t.name == name:
                 return t

@@ -46,6 +46,7 @@ class JobStatus:
 
     @property
     def active(self) -> bool:
+        """Whether the job may still own processes: an active Slurm state, or not visible yet (``missing``)."""
         return self.source == "missing" or (self.state in ACTIVE_STATES)
 
 
@@ -104,6 +105,7 @@ class SlurmClient:
             raise SlurmCommandError(argv, 0, f"unexpected sbatch output: {out!r}") from e
 
     def requeue(self, job_id: int) -> None:
+        """``scontrol requeue`` the job; SlurmCommandError when Slurm refuses."""
         self._run(["scontrol", "requeue", str(int(job_id))]).check()
 
     def cancel(self, job_id: int, *, deadline_s: float = 30.0, poll_s: float = 0.25,
@@ -225,11 +227,13 @@ class SlurmClient:
         return rec.parse_sacct(self._run(argv).check().stdout)
 
     def sshare(self) -> list[rec.ShareRecord]:
+        """Fairshare rows for every account and user (``sshare --all``)."""
         argv = ["sshare", "--all", "--noheader", "--parsable2",
                 "--format=" + rec.field_names(rec.SSHARE_FIELDS)]
         return rec.parse_sshare(self._run(argv).check().stdout)
 
     def drained_nodes(self) -> list[rec.DrainedNode]:
+        """Nodes that are down, drained or failing, with the reason and who set it (``sinfo --list-reasons``)."""
         argv = ["sinfo", "--list-reasons", "--Node", "--noheader",
                 "--format=" + rec.format_string(rec.SINFO_R_FIELDS)]
         return rec.parse_sinfo_r(self._run(argv).check().stdout)

@@ -66,18 +66,22 @@ class DevClusterConfig:
     node_names: tuple[str, ...] = field(default=())
 
     def names(self) -> tuple[str, ...]:
+        """The slurmd node names: ``node_names`` when set, else ``<host>-n1`` ... ``<host>-n<nodes>``."""
         return self.node_names or tuple(f"{self.host}-n{i + 1}" for i in range(self.nodes))
 
     @property
     def pid_file(self) -> Path:
+        """Where ``up`` records the PIDs of the daemons it started (``down`` stops only those)."""
         return self.state_dir / "pids.json"
 
     @property
     def libexec(self) -> Path:
+        """Where the prolog, epilog and task prolog wrappers go (slurm.conf names them there)."""
         return self.runtime_prefix / "libexec"
 
 
 def short_hostname() -> str:
+    """This host's name up to the first dot."""
     return socket.gethostname().split(".")[0]
 
 
@@ -231,6 +235,7 @@ class DevCluster:
         return time.monotonic() - t0
 
     def ensure_packages(self) -> None:
+        """apt-get install the Slurm, munge and MariaDB packages when one of NEEDED_BINARIES is missing."""
         missing = [b for b in NEEDED_BINARIES
                    if not shutil.which(b, path="/usr/sbin:/usr/bin:/sbin:/bin")]
         if not missing:
@@ -266,6 +271,7 @@ class DevCluster:
         return changed
 
     def make_fake_gpus(self) -> None:
+        """Create /dev/nvidia0..N-1 (char devices 195:i, mode 0666) for the nodes' fake GPUs."""
         for i in range(self.cfg.nodes * self.cfg.gpus_per_node):
             dev = Path(f"/dev/nvidia{i}")
             if not dev.exists():
@@ -273,6 +279,7 @@ class DevCluster:
             os.chmod(dev, 0o666)
 
     def start_munge(self, pids: dict[str, int]) -> None:
+        """Start munged with a fresh key (when none exists), unless munge already answers."""
         if self._ok(["munge", "-n"]):
             return
         run = Path("/run/munge")
@@ -287,6 +294,8 @@ class DevCluster:
         self._wait("munged", lambda: self._ok(["munge", "-n"]), 15)
 
     def start_mariadb(self, pids: dict[str, int], db_pass: str) -> None:
+        """Start MariaDB unless one answers (then it is reused), and give ``db_user`` ``db_pass`` and all
+        rights on ``db_name``."""
         ping = ["mariadb-admin", "--protocol=socket", "ping"]
         if not self._ok(ping):
             if not Path("/var/lib/mysql/mysql").exists():
@@ -319,6 +328,7 @@ class DevCluster:
             return s.connect_ex(("127.0.0.1", port)) == 0
 
     def node_states(self) -> dict[str, str]:
+        """Node name → sinfo state (``idle``, ``down*``, ...); {} when sinfo fails."""
         res = self.runner.run(["sinfo", "-h", "-N", "-o", "%N %T"], timeout=10)
         if res.returncode != 0:
             return {}
@@ -367,6 +377,7 @@ class DevCluster:
         return stopped
 
     def status(self) -> dict[str, object]:
+        """The recorded daemons (pid, alive) and, when any was recorded, the nodes' states."""
         pids = self._pids()
         return {
             "daemons": {k: {"pid": p, "alive": self._alive(p)} for k, p in pids.items()},

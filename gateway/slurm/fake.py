@@ -53,22 +53,27 @@ class FakeSlurm:
 
     # -- test controls
     def start(self, job_id: int) -> None:
+        """Move the job to RUNNING now."""
         j = self.jobs[job_id]
         j.state, j.reason, j.start = "RUNNING", "None", datetime.now(UTC)
 
     def finish(self, job_id: int, state: str = "COMPLETED", exit: str = "0:0") -> None:
+        """End the job now in ``state`` with ``exit`` (sacct's ``code:signal``)."""
         j = self.jobs[job_id]
         j.state, j.exit, j.end = state, exit, datetime.now(UTC)
 
     def age_out(self, job_id: int) -> None:
+        """Drop the job from squeue's view; sacct still reports it."""
         self.jobs[job_id].in_queue = False
 
     def count(self, command: str) -> int:
+        """How many calls ran ``command`` (argv[0])."""
         return sum(1 for c in self.calls if c[0] == command)
 
     # -- the Runner interface
     def run(self, argv: Sequence[str], *, timeout: float = 60.0, input: str | None = None,
             env: Mapping[str, str] | None = None) -> CommandResult:
+        """Answer ``argv`` as the Slurm command would; ``fail_next`` failures first; 127 for a command it lacks."""
         args = tuple(argv)
         self.calls.append(args)
         if args[0] in self.fail_next:

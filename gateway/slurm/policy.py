@@ -119,6 +119,7 @@ class QosRow:
 
     @property
     def max_gpus_per_user(self) -> int | None:
+        """The per-user GPU limit in MaxTRESPerUser; None when it sets none."""
         return gpu_count(self.max_tres_per_user) if "gres/gpu" in self.max_tres_per_user else None
 
 
@@ -175,6 +176,7 @@ class QosChange:
     settings: tuple[str, ...]                     # the ``key=value`` arguments to send
 
     def describe(self) -> str:
+        """One line for a dry run: the settings an add sends, or each field's cluster -> policy value."""
         if self.action == "add":
             return f"{self.name}: add ({' '.join(self.settings)})"
         return f"{self.name}: modify " + "; ".join(f"{k} {h or '(unset)'} -> {w}" for k, h, w in self.fields)

@@ -30,10 +30,12 @@ _NONE_WORDS = {"", "N/A", "NONE", "None", "Unknown", "(null)", "n/a", "INVALID",
 
 
 def opt_str(v: str) -> str | None:
+    """None for Slurm's "no value" words ("", N/A, None, Unknown, (null), ...), else ``v``."""
     return None if v in _NONE_WORDS else v
 
 
 def opt_int(v: str) -> int | None:
+    """An integer, or None for Slurm's "no value" words; SlurmParseError otherwise."""
     v = v.strip()
     if v in _NONE_WORDS:
         return None
@@ -44,6 +46,7 @@ def opt_int(v: str) -> int | None:
 
 
 def opt_float(v: str) -> float | None:
+    """A number, or None for Slurm's "no value" words; SlurmParseError otherwise."""
     v = v.strip()
     if v in _NONE_WORDS:
         return None
@@ -169,6 +172,7 @@ class QueueRecord:
 
     @property
     def pending_reason(self) -> str | None:
+        """Slurm's reason while the job is PENDING (Priority, Resources, ...); None in any other state."""
         return self.reason if self.state == SlurmState.PENDING else None
 
 
@@ -188,6 +192,7 @@ SQUEUE_FIELDS: tuple[Field, ...] = (
 
 
 def parse_squeue(text: str) -> list[QueueRecord]:
+    """Records from squeue output in SQUEUE_FIELDS' format; a job name holding the delimiter is rejoined."""
     return list(parse_rows(text, SQUEUE_FIELDS, QueueRecord, free="name"))
 
 
@@ -283,6 +288,7 @@ class ShareRecord:
 
     @property
     def is_account_row(self) -> bool:
+        """Whether this is the account's own row rather than one of its users'."""
         return self.user is None
 
 
@@ -323,4 +329,5 @@ SINFO_R_FIELDS: tuple[Field, ...] = (
 
 
 def parse_sinfo_r(text: str) -> list[DrainedNode]:
+    """Records from ``sinfo --list-reasons`` output in SINFO_R_FIELDS' format; the reason may hold the delimiter."""
     return list(parse_rows(text, SINFO_R_FIELDS, DrainedNode, free="reason"))

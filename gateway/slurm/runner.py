@@ -87,7 +87,9 @@ class Runner(Protocol):
         timeout: float = DEFAULT_TIMEOUT_S,
         input: str | None = None,
         env: Mapping[str, str] | None = None,
-    ) -> CommandResult: ...
+    ) -> CommandResult:
+        """Run ``argv`` (never through a shell) and return its result; a non-zero exit is not raised (``check()``)."""
+        ...
 
 
 def _validate_argv(argv: Sequence[str]) -> tuple[str, ...]:
@@ -113,6 +115,7 @@ class LocalRunner:
         input: str | None = None,
         env: Mapping[str, str] | None = None,
     ) -> CommandResult:
+        """Run ``argv`` here; SlurmTimeoutError past ``timeout``, SlurmCommandError (127) when it is not found."""
         args = _validate_argv(argv)
         if self.log is not None:
             self.log.append(args)
@@ -192,6 +195,7 @@ class SSHRunner:
         input: str | None = None,
         env: Mapping[str, str] | None = None,
     ) -> CommandResult:
+        """Run ``argv`` on the login node (``env`` as an ``env K=V`` prefix); SlurmTimeoutError past ``timeout``."""
         args = _validate_argv(argv)
         if self.log is not None:
             self.log.append(args)
@@ -213,6 +217,7 @@ class SSHRunner:
         return CommandResult(args, rc, out, err, time.monotonic() - start)
 
     def close(self) -> None:
+        """Close the SSH connection; the next ``run`` opens a new one."""
         if self._client is not None:
             self._client.close()
             self._client = None

@@ -39,6 +39,7 @@ def validate_unix_name(name: str) -> str:
 
 
 def validate_qos_name(name: str) -> str:
+    """Return ``name`` if valid as a QOS name; raise InvalidNameError otherwise."""
     if not isinstance(name, str) or not _QOS_RE.fullmatch(name):
         raise InvalidNameError(
             f"invalid QOS name {name!r}: lowercase letters, digits, '-' or '_', "

@@ -80,9 +80,11 @@ class Storage:
         self._lock = threading.Lock()
 
     def tenant(self, name: str) -> TenantStorage:
+        """The verbs for tenant ``name``; LayoutError when it is not a valid tenant name."""
         return TenantStorage(self, layout.tenant_name(name))
 
     def has_unix_user(self, tenant: str) -> bool:
+        """Whether the tenant's unix user (``sft-<tenant>``) exists here; a yes is cached 30 s, a no never."""
         now = time.monotonic()
         with self._lock:
             hit = self._users.get(tenant)
@@ -97,6 +99,7 @@ class Storage:
         return True
 
     def ensure_broker(self) -> None:
+        """Start the broker unless one answers (root only); StorageUnavailable when it cannot be started."""
         from gateway.storage.launch import ensure_broker
 
         try:
@@ -106,6 +109,8 @@ class Storage:
 
     def call(self, tenant: str, verb: str, args: dict[str, Any] | None = None,
              fds: list[int] | None = None) -> Reply:
+        """Run ``verb`` for ``tenant``: in-process when direct or it has no unix user, else through the broker.
+        A refusal or failure raises the ServiceError its code maps to (NotFound, StorageFull, Conflict, ...)."""
         args, fds = args or {}, fds or []
         if self.direct or not self.has_unix_user(tenant):
             try:
@@ -182,17 +187,22 @@ class TenantStorage:
         return self.storage.call(self.tenant, verb, args, fds)
 
     def absolute(self, parts: layout.Parts) -> str:
+        """The absolute path of ``parts`` under this tenant's root (for the trainer, which runs as the tenant)."""
         return layout.absolute(self.storage.root, self.tenant, parts)
 
     # uploads
     def upload_begin(self) -> Upload:
+        """A fresh temp file in datasets/ to stream an upload into: its name and a write fd."""
         r = self._call("upload_begin")
         return Upload(str(r.result["name"]), r.fds[0])
 
     def upload_commit(self, up: Upload, sha256: str, size: int) -> None:
+        """Name the streamed upload ``<sha256>.jsonl``: Conflict if its temp file was replaced meanwhile,
+        StorageTampered if it does not hold exactly ``size`` bytes."""
         self._call("upload_commit", {"name": up.name, "sha256": sha256, "size": size}, [up.fd])
 
     def upload_abort(self, up: Upload) -> None:
+        """Remove the upload's temp file (already gone: fine)."""
         self._call("upload_abort", {"name": up.name})
 
     # reads
@@ -215,31 +225,39 @@ class TenantStorage:
         return chunks()
 
     def read_events(self, offsets: dict[str, int]) -> dict[str, bytes]:
+        """New bytes of each job's events.jsonl from its offset (job id → at most 4 MiB); a missing file gives b""."""
         if not offsets:
             return {}
         r = self._call("read_events", {"offsets": offsets})
         return dict(zip(r.result.get("order") or [], r.blobs, strict=False))
 
     def read_spec(self, job_id: str) -> bytes | None:
+        """The job's spec.json; None when it is missing, over 1 MiB, or not a plain file of the tenant's."""
         r = self._call("read_spec", {"job_id": job_id})
         return r.blobs[0] if r.result.get("found") and r.blobs else None
 
     # writes
     def write_spec(self, job_id: str, spec: dict[str, Any]) -> str:
+        """Write ``spec`` as the job's spec.json (atomically, creating its directory); returns the absolute path."""
         self._call("write_spec", {"job_id": job_id, "spec": json.dumps(spec, indent=1)})
         return self.absolute(layout.job_file(job_id, "spec.json"))
 
     def remove(self, paths: list[layout.Parts]) -> int:
+        """Remove these paths (files or trees, links never followed); returns how many existed."""
         return int(self._call("remove", {"paths": [list(layout.check(p)) for p in paths]}).result["removed"])
 
     def sweep(self, min_age_s: float) -> int:
+        """Remove upload and publication temp names older than ``min_age_s``; returns how many."""
         return int(self._call("sweep", {"min_age_s": min_age_s}).result["removed"])
 
     def publish_build(self, job_id: str, attempt: int, model_digest: str | None) -> dict[str, Any]:
+        """Verify the attempt's staging and build its results in a hidden artifacts/.pub-* dir.
+        Returns ``name`` (that dir), ``results`` (each one's bytes and sha256) and ``evaluation`` (eval.json)."""
         return self._call("publish_build", {"job_id": job_id, "attempt": attempt,
                                             "model_digest": model_digest}).result
 
     def publish_commit(self, name: str, art_id: str) -> None:
+        """Rename the built dir ``name`` to artifacts/<art_id>, where its results appear at once."""
         self._call("publish_commit", {"name": name, "art_id": art_id})
 
     def submit(self, script: str, timeout: float = 60.0) -> tuple[int, str, str]:
@@ -259,6 +277,8 @@ class TenantRunner:
 
     def run(self, argv: Any, *, timeout: float = 60.0, input: str | None = None,
             env: Any = None) -> Any:
+        """Submit the script ``input`` through the broker as the tenant; a CommandResult.
+        Raises ValueError for any argv but ARGV, no script, or an ``env``."""
         from gateway.slurm.runner import CommandResult
 
         if tuple(argv) != self.ARGV or input is None or env is not None:

@@ -52,6 +52,8 @@ class BrokerError(Exception):
 # ------------------------------------------------------------------ framing
 def send_msg(sock: socket.socket, header: dict[str, Any], fds: Sequence[int] = (),
              blobs: Sequence[bytes] = ()) -> None:
+    """Write one message: its length (4 bytes, big-endian), the JSON header with the blobs' lengths, the blobs.
+    ``fds`` travel with the first 4 bytes (SCM_RIGHTS)."""
     body = json.dumps({**header, "blobs": [len(b) for b in blobs]}).encode()
     head = struct.pack(">I", len(body)) + body
     if fds:
@@ -74,6 +76,8 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def recv_msg(sock: socket.socket) -> tuple[dict[str, Any], list[int], list[bytes]]:
+    """Read one message: (header, fds received, blobs). BrokerError when the peer closed the connection
+    or the header is over MAX_HEADER."""
     data, fds, _flags, _addr = socket.recv_fds(sock, 4, MAX_FDS)
     if not data:
         for fd in fds:
@@ -199,6 +203,8 @@ def _submit(storage_root: Path, tenant: str, args: dict[str, Any]) -> Reply:
 
 
 def reply_error(e: BaseException) -> dict[str, Any]:
+    """The ``ok: false`` reply for ``e``: an OSError's code follows its errno (its message is strerror,
+    no path); an unexpected exception gives only its type name."""
     if isinstance(e, VerbError | BrokerError):
         return {"ok": False, "code": e.code, "message": e.message}
     if isinstance(e, layout.LayoutError):
@@ -239,6 +245,7 @@ def serve_one(conn: socket.socket) -> None:
 
 # ------------------------------------------------------------------ daemon
 def peer_uid(conn: socket.socket) -> int:
+    """The uid of the process at the other end of the unix socket (SO_PEERCRED)."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     _pid, uid, _gid = struct.unpack("3i", creds)
     return int(uid)
@@ -293,6 +300,8 @@ def serve(socket_path: Path, allowed_uids: set[int]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """``python -m gateway.storage.broker --socket PATH [--allow-user USER ...]``: serve until SIGTERM;
+    root may always connect. Exits when a named user does not exist."""
     p = argparse.ArgumentParser(prog="python -m gateway.storage.broker", description=__doc__.split("\n")[0])
     p.add_argument("--socket", type=Path, required=True)
     p.add_argument("--allow-user", action="append", default=[], help="service user allowed to connect")

@@ -14,6 +14,7 @@ LOG = Path("/var/log/slurm-finetune/broker.log")
 
 
 def answers(path: Path) -> bool:
+    """Whether something accepts a connection on the unix socket ``path`` within 2 s."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.settimeout(2)

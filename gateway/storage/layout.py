@@ -48,6 +48,7 @@ def _match(pattern: re.Pattern[str], value: object, what: str) -> str:
 
 
 def tenant_name(name: object) -> str:
+    """``name`` when it is a valid tenant name; LayoutError otherwise."""
     return _match(TENANT_NAME, name, "tenant name")
 
 
@@ -78,18 +79,22 @@ def check(parts: object) -> Parts:
 
 
 def dataset(sha256: str) -> Parts:
+    """A validated upload: ``datasets/<sha256>.jsonl`` (LayoutError for a bad digest)."""
     return (DATASETS, f"{_match(SHA256, sha256, 'sha256')}.jsonl")
 
 
 def job(job_id: str) -> Parts:
+    """The job's directory: ``jobs/<job id>`` (LayoutError for a bad id)."""
     return (JOBS, _match(JOB_ID, job_id, "job id"))
 
 
 def job_file(job_id: str, name: str) -> Parts:
+    """``jobs/<job id>/<name>``; only the job id is checked here."""
     return (*job(job_id), name)
 
 
 def staging(job_id: str, attempt: int) -> Parts:
+    """An attempt's staging dir: ``jobs/<job id>/attempts/<n>/staging`` (LayoutError unless 0 <= n <= 10000)."""
     if not isinstance(attempt, int) or attempt < 0 or attempt > 10_000:
         raise LayoutError(f"invalid attempt: {attempt!r}")
     return (*job(job_id), "attempts", str(attempt), "staging")
@@ -101,6 +106,7 @@ def training_state(job_id: str) -> list[Parts]:
 
 
 def artifact(art_id: str) -> Parts:
+    """A publication's directory: ``artifacts/<art id>`` (LayoutError for a bad id)."""
     return (ARTIFACTS, _match(ART_ID, art_id, "artifact id"))
 
 

@@ -30,6 +30,7 @@ def _refuse(what: str, why: str) -> UnsafeStorage:
 
 
 def check_dir_fd(fd: int, what: str) -> os.stat_result:
+    """fstat of ``fd``; UnsafeStorage unless it is a directory owned by the effective uid."""
     st = os.fstat(fd)
     if not stat.S_ISDIR(st.st_mode):
         raise _refuse(what, "not a directory")
@@ -68,6 +69,8 @@ def open_dir(base_fd: int, parts: tuple[str, ...], *, create: bool = False, mode
 
 
 def check_file_fd(fd: int, what: str, *, size: int | None = None, max_size: int | None = None) -> os.stat_result:
+    """fstat of ``fd``; UnsafeStorage unless it is a regular file of the effective uid with exactly
+    ``size`` (when given) and at most ``max_size`` bytes."""
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise _refuse(what, "not a regular file")

@@ -64,6 +64,7 @@ VERBS: dict[str, Verb] = {}
 
 
 def verb(fn: Verb) -> Verb:
+    """Register ``fn`` in VERBS under its function name, the name the gateway asks for."""
     VERBS[fn.__name__] = fn
     return fn
 
@@ -121,6 +122,7 @@ def upload_commit(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
 
 @verb
 def upload_abort(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
+    """Remove an upload's temp file; a missing file (or datasets/) is no error."""
     name = layout.check((args.get("name"),))[0]
     if not layout.UPLOAD_TMP.fullmatch(name):
         raise VerbError("invalid upload handle")
@@ -171,6 +173,7 @@ def read_events(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
 
 @verb
 def read_spec(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
+    """spec.json's bytes as a blob (``found``); not found when missing, unsafe or over MAX_SPEC_BYTES."""
     try:
         fd = safefs.open_path(ctx.root_fd, layout.job_file(args.get("job_id", ""), "spec.json"),
                               max_size=MAX_SPEC_BYTES)

@@ -31,6 +31,7 @@ class _Progress:
 
 
 def print_report(obj: dict[str, Any]) -> None:
+    """Print a file object and its validation report (stats, error and warning counts, errors) for a person."""
     v = obj.get("validation") or {}
     stats = v.get("stats") or {}
     click.echo(f"{obj['id']}  {obj['filename']}  {obj['bytes']} bytes  status: {obj['status']}")

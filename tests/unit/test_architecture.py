@@ -452,3 +452,64 @@ def test_the_error_rule_catches_a_local_service_error(tmp_path: Path) -> None:
     sneaky.write_text("from gateway.errors import NotFound\nclass Gone(NotFound):\n    status = 410\n"
                       "class SlurmError(Exception):\n    pass\nclass Fine(ValueError):\n    pass\n")
     assert [n for _, n in error_definitions(sneaky)] == ["Gone", "SlurmError"]
+
+
+# ------------------------------------------------------------------- docstrings
+DOCUMENTED = ("gateway", "scrubber", "accounting")     # trainer/ is not held to this (yet)
+
+
+def _accessor_or_overload(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """``@overload`` stubs and ``@x.setter``/``@x.deleter``: the getter or the implementation
+    carries the docstring (Python shows the getter's for a property)."""
+    for d in fn.decorator_list:
+        name = d.attr if isinstance(d, ast.Attribute) else d.id if isinstance(d, ast.Name) else ""
+        if name == "overload" or (isinstance(d, ast.Attribute) and name in ("setter", "deleter")):
+            return True
+    return False
+
+
+def undocumented(path: Path) -> list[tuple[int, str]]:
+    """(line, qualified name) of each public function or method in ``path`` without a docstring.
+
+    Public: its name and its classes' names do not start with ``_``. Functions nested in
+    functions are not looked at; module- and class-level ``if``/``try`` blocks are."""
+    found: list[tuple[int, str]] = []
+
+    def visit(body: list[ast.stmt], prefix: str) -> None:
+        for node in body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                if not node.name.startswith("_") and not ast.get_docstring(node) \
+                        and not _accessor_or_overload(node):
+                    found.append((node.lineno, prefix + node.name))
+            elif isinstance(node, ast.ClassDef):
+                if not node.name.startswith("_"):
+                    visit(node.body, f"{prefix}{node.name}.")
+            elif isinstance(node, ast.If | ast.Try | ast.With):
+                for block in (node.body, getattr(node, "orelse", []), getattr(node, "finalbody", []),
+                              *(h.body for h in getattr(node, "handlers", []))):
+                    visit(block, prefix)
+
+    visit(ast.parse(path.read_text(), str(path)).body, "")
+    return found
+
+
+def test_public_functions_have_docstrings() -> None:
+    bad = [f"{p.relative_to(ROOT)}:{line} {name}" for pkg in DOCUMENTED for p in sorted((ROOT / pkg).rglob("*.py"))
+           if not p.relative_to(ROOT).as_posix().startswith("gateway/migrations/versions/")
+           for line, name in undocumented(p)]
+    assert bad == [], ("public functions without a docstring (one true line: what it returns or raises, "
+                       "or the non-obvious thing):\n" + "\n".join(bad))
+
+
+def test_the_docstring_rule_catches_an_undocumented_function(tmp_path: Path) -> None:
+    sneaky = tmp_path / "x.py"
+    sneaky.write_text('def bare():\n    def inner():\n        pass\n\n\n'
+                      'def told():\n    """Said."""\n\n\n'
+                      'async def _private():\n    pass\n\n\n'
+                      'class Box:\n    def open(self):\n        return 1\n\n'
+                      '    @property\n    def size(self):\n        """Its size."""\n\n'
+                      '    @size.setter\n    def size(self, v):\n        pass\n\n'
+                      '    class Lid:\n        async def lift(self):\n            ...\n\n\n'
+                      'class _Hidden:\n    def run(self):\n        pass\n\n\n'
+                      'if True:\n    def maybe():\n        pass\n')
+    assert undocumented(sneaky) == [(1, "bare"), (15, "Box.open"), (27, "Box.Lid.lift"), (37, "maybe")]
