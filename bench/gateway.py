@@ -109,8 +109,8 @@ def onboard(db_url: str, tenants: Sequence[str]) -> dict[str, str]:
     """Slurm account + unix user + storage (idempotent), DB row and a member token per tenant."""
     from sqlmodel import Session
 
+    from gateway.access.tokens import create_token
     from gateway.services.tenants import ensure_tenant
-    from gateway.services.tokens import create_token
 
     admin = Admin(LocalRunner(), storage_root=STORAGE)
     engine = make_engine(db_url)
