@@ -1,15 +1,20 @@
-"""Throughput and peak memory: our trainer vs TRL ``SFTTrainer``, side by side.
+"""Throughput, peak memory and eval loss: our trainer vs TRL ``SFTTrainer`` in its best configuration.
 
-Both contenders train the same tiny 4-bit Llama (``trainer.catalog.make_tiny``)
-with the same LoRA config (r=8, alpha=16, dropout 0.05, all-linear) on the same
-toy chat data, for the same epochs. TRL runs with ``assistant_only_loss=True``
-and otherwise its defaults (padded batches of 8, gradient checkpointing, bf16
-autocast). Our trainer uses rows of ``8 x mean example length`` tokens, so both
-take about the same number of optimizer steps. Each contender runs in its own
-process (multiprocessing, spawn); peak memory is that process's ``ru_maxrss``.
-Tokens/s counts real (non-pad) tokens over the training loop only.
+Both contenders train the same 4-bit NF4 model (``trainer.catalog.make_tiny`` here, other shapes
+from ``bench/gpu.py``) with the same LoRA (r, alpha, dropout, all-linear), optimizer (AdamW, same
+lr, betas, eps, weight decay 0), schedule (linear, same warmup), gradient checkpointing
+(non-reentrant), max grad norm 1.0 and tokens per optimizer step, on the same toy chats. The peer
+runs in the configuration TRL documents as its fastest for the hardware (see ``trl_best_config``,
+printed at the start): packed (BFD, padding-free) on both, fp32 compute and fp32 LoRA weights on
+CPU, bf16 and SDPA/flash attention on CUDA.
 
-    python bench/trainer.py [--examples 600] [--epochs 1] [--threads 1] [--trl-fp32]
+Fair timing: each contender runs in its own fresh spawned process; its clock starts after its first
+optimizer step (warm-up) and stops after its last; tokens/s = real (non-pad) tokens of the timed
+steps / timed seconds. Repeats alternate (ours, TRL, ours, TRL, ...); medians are reported. Both
+trained adapters are then scored by one function (``eval_loss``: ``trainer.model.evaluate`` over
+our tokenization of the validation file, token-weighted mean CE over assistant tokens).
+
+    python bench/trainer.py [--examples 600] [--epochs 1] [--threads 1] [--repeats 3] [--also-trl-defaults]
 """
 
 from __future__ import annotations
@@ -19,9 +24,12 @@ import json
 import math
 import multiprocessing as mp
 import resource
+import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,196 +37,411 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-LORA: dict[str, Any] = {"r": 8, "alpha": 16, "dropout": 0.05}
+LORA: dict[str, Any] = {"r": 8, "alpha": 16, "dropout": 0.05, "target_modules": "all-linear"}
 LEARNING_RATE = 2e-3
+WARMUP_STEPS = 0  # with 0 both schedules are the same formula: lr * (total - step) / total
+MAX_GRAD_NORM = 1.0
+SEED = 0
+# torch.optim.AdamW defaults, which trainer/recipe.py uses (weight_decay=0.0 set there explicitly)
+ADAM = {"adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8, "weight_decay": 0.0}
+GOAL = {"tokens_per_s_ratio": 1.8, "memory_ratio": 0.75}
+OURS, TRL_BEST, TRL_DEFAULTS = "ours", "trl-best", "trl-defaults (handicapped)"
+
+
+def quiet() -> None:
+    """Known-harmless library noise (trainer.quiet) and datasets' progress bars off; call before torch."""
+    import os
+
+    from trainer.quiet import quiet_libraries
+
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    quiet_libraries()
 
 
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def prepare(workdir: Path, examples: int) -> dict[str, Any]:
-    """Build the tiny model, register it, write train/validation JSONL; return paths."""
-    from trainer.catalog import add, make_tiny
-    from trainer.data import sha256_file
-    from trainer.toydata import toy_conversations, write_jsonl
+def _peak_cuda_mb() -> float | None:
+    import torch
 
-    entry = add(make_tiny(workdir / "tiny"), "tiny", workdir / "models")
-    train = write_jsonl(workdir / "train.jsonl", toy_conversations(examples, seed=11))
-    val = write_jsonl(workdir / "val.jsonl", toy_conversations(24, seed=12))
+    return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+
+
+# ----------------------------------------------------------------- data and model
+
+
+def unweighted(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Drop per-message ``weight`` keys: TRL has none, so both train on every assistant turn."""
+    return [{"messages": [{k: v for k, v in m.items() if k != "weight"} for m in r["messages"]]} for r in rows]
+
+
+def write_data(workdir: Path, train_rows: list[dict[str, Any]], val_rows: list[dict[str, Any]]) -> dict[str, str]:
+    """Write the (unweighted) train/validation JSONL files; return their paths and sha256s."""
+    from trainer.data import sha256_file
+    from trainer.toydata import write_jsonl
+
+    train = write_jsonl(workdir / "train.jsonl", unweighted(train_rows))
+    val = write_jsonl(workdir / "val.jsonl", unweighted(val_rows))
+    return {"train": str(train), "train_sha": sha256_file(train), "val": str(val), "val_sha": sha256_file(val)}
+
+
+def register(built: Path, name: str, workdir: Path) -> dict[str, str]:
+    """Register a built model directory in a temp catalog; return the job's model fields."""
+    from trainer.catalog import add
+
+    entry = add(built, name, workdir / "models")
+    root = workdir / "models"
+    return {"root": str(root), "name": name, "digest": entry.digest, "model": str(root / entry.path)}
+
+
+def prepare(workdir: Path, examples: int) -> dict[str, Any]:
+    """Build the tiny model, register it, write train/validation JSONL; return the job fields."""
+    from trainer.catalog import make_tiny
+    from trainer.toydata import toy_conversations
+
+    job: dict[str, Any] = {"workdir": str(workdir)}
+    job.update(register(make_tiny(workdir / "tiny"), "tiny", workdir))
+    job.update(write_data(workdir, toy_conversations(examples, seed=11), toy_conversations(24, seed=12)))
+    return job
+
+
+def mean_length(job: dict[str, Any]) -> float:
+    """Mean tokenized length of the training examples (our tokenization)."""
+    from transformers import AutoTokenizer
+
+    from trainer.data import read_conversations, tokenize_all
+
+    tokenizer = AutoTokenizer.from_pretrained(job["model"])
+    examples = tokenize_all(tokenizer, read_conversations(job["train"], "train"), 1 << 20, "train")
+    return sum(len(e) for e in examples) / len(examples)
+
+
+def eval_loss(model: Any, job: dict[str, Any]) -> dict[str, float]:
+    """The one scoring function for both: token-weighted mean CE over the validation file's assistant tokens."""
+    from transformers import AutoTokenizer
+
+    from trainer.data import read_conversations, tokenize_all
+    from trainer.model import evaluate
+
+    tokenizer = AutoTokenizer.from_pretrained(job["model"])
+    examples = tokenize_all(tokenizer, read_conversations(job["val"], "validation"), job["step_tokens"], "validation")
+    return evaluate(model, examples, job["step_tokens"])
+
+
+def _timed(marks: list[tuple[float, int]]) -> dict[str, Any]:
+    """From (time, cumulative real tokens) at the end of each optimizer step: the steps after the first."""
+    if len(marks) < 3:
+        raise SystemExit(f"only {len(marks)} optimizer steps: too few to time after a warm-up step; add --examples")
+    (t0, n0), (t1, n1) = marks[0], marks[-1]
+    return {"timed_steps": len(marks) - 1, "timed_tokens": n1 - n0, "timed_s": t1 - t0,
+            "tokens_per_s": (n1 - n0) / (t1 - t0), "total_tokens": n1}
+
+
+def _finish(name: str, model: Any, job: dict[str, Any], steps: int, marks: list[tuple[float, int]],
+            mean_train_loss: float) -> dict[str, Any]:
+    result: dict[str, Any] = {"name": name, "steps": steps, **_timed(marks), "mean_train_loss": mean_train_loss}
+    result["lora_dtypes"] = dict(Counter(str(p.dtype) for p in model.parameters() if p.requires_grad))
+    result["eval"] = eval_loss(model, job)
+    result["eval_loss"] = result["eval"]["loss"]
+    result["peak_rss_mb"] = _peak_rss_mb()
+    result["peak_cuda_mb"] = _peak_cuda_mb()
+    return result
+
+
+# ----------------------------------------------------------------- ours
+
+
+def our_spec(job: dict[str, Any]) -> dict[str, Any]:
+    """The job spec for trainer.recipe: one optimizer step = ``step_tokens`` tokens in rows of at most that."""
     return {
-        "root": str(workdir / "models"),
-        "digest": entry.digest,
-        "model": str(workdir / "models" / entry.path),
-        "train": str(train),
-        "train_sha": sha256_file(train),
-        "val": str(val),
-        "val_sha": sha256_file(val),
-        "workdir": str(workdir),
+        "base_model": {"name": job["name"], "digest": job["digest"], "catalog_root": job["root"]},
+        "train": {"path": job["train"], "sha256": job["train_sha"]},
+        "validation": {"path": job["val"], "sha256": job["val_sha"]},
+        "hyperparameters": {
+            "epochs": job["epochs"],
+            "learning_rate": LEARNING_RATE,
+            "batch_size_tokens": job["step_tokens"],
+            "max_seq_len": job["step_tokens"],
+            "lora_r": LORA["r"],
+            "lora_alpha": LORA["alpha"],
+            "lora_dropout": LORA["dropout"],
+            "target_modules": LORA["target_modules"],
+            "warmup_steps": WARMUP_STEPS,
+            "seed": SEED,
+            "gradient_checkpointing": True,
+        },
+        "job_dir": str(Path(job["workdir"]) / f"ours-job-{time.monotonic_ns()}"),
+        "checkpoint_every_steps": 10_000_000,
     }
 
 
 def run_ours(job: dict[str, Any]) -> dict[str, Any]:
-    """Train with trainer.recipe (no final save); return tokens/s and peak RSS."""
+    """Train with trainer.recipe (no final save); the per-step metrics give the timed window."""
+    quiet()
     import torch
 
     torch.set_num_threads(job["threads"])
     from trainer.recipe import Recipe, StopFlag
     from trainer.spec import parse_spec
 
-    spec = parse_spec(
-        {
-            "base_model": {"name": "tiny", "digest": job["digest"], "catalog_root": job["root"]},
-            "train": {"path": job["train"], "sha256": job["train_sha"]},
-            "validation": {"path": job["val"], "sha256": job["val_sha"]},
-            "hyperparameters": {
-                "epochs": job["epochs"],
-                "learning_rate": LEARNING_RATE,
-                "batch_size_tokens": job["row_tokens"],
-                "max_seq_len": 256,
-                "lora_r": LORA["r"],
-                "lora_alpha": LORA["alpha"],
-                "lora_dropout": LORA["dropout"],
-                "warmup_steps": 0,
-                "gradient_checkpointing": True,
-            },
-            "job_dir": str(Path(job["workdir"]) / "ours-job"),
-            "checkpoint_every_steps": 10_000_000,
-        }
-    )
-    recipe = Recipe(spec, 0, StopFlag())
+    recipe = Recipe(parse_spec(our_spec(job)), 0, StopFlag())
     recipe.setup()
     recipe.train()
-    metrics = recipe.progress.metrics
-    tokens = sum(m["tokens"] for m in metrics)
-    seconds = metrics[-1]["elapsed_s"]
+    metrics = recipe.progress.metrics  # the only coupling: per optimizer step, "tokens", "elapsed_s", "loss"
+    marks, seen = [], 0
+    for m in metrics:
+        seen += m["tokens"]
+        marks.append((m["elapsed_s"], seen))
+    mean_loss = sum(m["loss"] for m in metrics) / len(metrics)
+    result = _finish(OURS, recipe.model, job, len(metrics), marks, mean_loss)
     recipe.cleanup()
+    return result
+
+
+# ----------------------------------------------------------------- TRL
+
+
+def trl_best_config(cuda: bool, step_tokens: int) -> dict[str, Any]:
+    """SFTConfig fields of TRL's fastest documented setup for this hardware (beyond the shared ones).
+
+    Packing with BFD makes TRL padding-free; one packed row of ``step_tokens`` per step matches our
+    tokens per step. CUDA: bf16 autocast (TRL also casts the LoRA weights to bf16, its QLoRA choice).
+    CPU: no bf16 (no native bf16 here); ``run_trl`` casts the LoRA weights back to fp32.
+    """
     return {
-        "name": "ours (packed, padding-free)",
-        "steps": len(metrics),
-        "real_tokens": tokens,
-        "train_s": seconds,
-        "tokens_per_s": tokens / seconds,
-        "mean_train_loss": sum(m["loss"] for m in metrics) / len(metrics),
-        "peak_rss_mb": _peak_rss_mb(),
+        "packing": True,
+        "packing_strategy": "bfd",
+        "padding_free": True,
+        "max_length": step_tokens,
+        "per_device_train_batch_size": 1,
+        "gradient_accumulation_steps": 1,
+        "bf16": cuda,
+        "fp16": False,
+        "use_cpu": not cuda,
+        "optim": "adamw_torch_fused",
     }
 
 
+def trl_defaults_config(cuda: bool, step_tokens: int) -> dict[str, Any]:
+    """TRL's defaults (padded batches of 8, no packing, bf16 autocast even on CPU): handicapped, not the headline."""
+    return {"max_length": step_tokens, "bf16": True, "use_cpu": not cuda}
+
+
+def shared_config(job: dict[str, Any]) -> dict[str, Any]:
+    """SFTConfig fields both TRL configurations share with ours."""
+    return {
+        "assistant_only_loss": True,
+        "num_train_epochs": job["epochs"],
+        "learning_rate": LEARNING_RATE,
+        "lr_scheduler_type": "linear",
+        "warmup_steps": WARMUP_STEPS,
+        **ADAM,
+        "max_grad_norm": MAX_GRAD_NORM,
+        "gradient_checkpointing": True,
+        "gradient_checkpointing_kwargs": {"use_reentrant": False},
+        "seed": SEED,
+        "include_num_input_tokens_seen": "non_padding",
+    }
+
+
+def attention_for_trl(cuda: bool) -> str:
+    """flash_attention_2 on CUDA where the flash-attn package is installed, else SDPA (also on CPU)."""
+    import importlib.util
+
+    return "flash_attention_2" if cuda and importlib.util.find_spec("flash_attn") is not None else "sdpa"
+
+
+def _step_clock() -> tuple[Any, list[tuple[float, int]]]:
+    """A TrainerCallback recording (time, real tokens seen) at the end of each optimizer step."""
+    import torch
+    from transformers import TrainerCallback
+
+    marks: list[tuple[float, int]] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            marks.append((time.monotonic(), state.num_input_tokens_seen))
+
+    return StepClock(), marks
+
+
 def run_trl(job: dict[str, Any]) -> dict[str, Any]:
-    """Train with TRL SFTTrainer (assistant_only_loss=True, its defaults otherwise)."""
+    """Train with TRL SFTTrainer in ``job["trl"]`` configuration (best or defaults); same scoring as ours."""
+    quiet()
     import torch
 
     torch.set_num_threads(job["threads"])
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PrinterCallback
     from trl import SFTConfig, SFTTrainer
 
     from trainer.model import load_base_model
 
-    rows = [json.loads(line) for line in Path(job["train"]).read_text().splitlines()]
-    for row in rows:  # TRL has no per-message weight; the tokens are the same
-        for message in row["messages"]:
-            message.pop("weight", None)
-    tokenizer = AutoTokenizer.from_pretrained(job["model"])
+    cuda, best = torch.cuda.is_available(), job["trl"] == TRL_BEST
+    fields = (trl_best_config if best else trl_defaults_config)(cuda, job["step_tokens"])
+    config = SFTConfig(output_dir=str(Path(job["workdir"]) / "trl-out"), save_strategy="no", eval_strategy="no",
+                       report_to="none", logging_steps=10_000_000, disable_tqdm=True, **shared_config(job), **fields)
     model = load_base_model(job["model"])
-    config = SFTConfig(
-        output_dir=str(Path(job["workdir"]) / "trl-out"),
-        assistant_only_loss=True,
-        num_train_epochs=job["epochs"],
-        learning_rate=LEARNING_RATE,
-        max_length=256,
-        save_strategy="no",
-        report_to="none",
-        logging_steps=10_000,
-        disable_tqdm=True,
-        lr_scheduler_type="linear",
-        warmup_steps=0,
-        use_cpu=not torch.cuda.is_available(),
-        bf16=not job.get("trl_fp32", False),  # True is TRL's own default
-    )
-    peft_config = LoraConfig(
-        r=LORA["r"],
-        lora_alpha=LORA["alpha"],
-        lora_dropout=LORA["dropout"],
-        target_modules="all-linear",
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-    trainer = SFTTrainer(
-        model=model,
-        args=config,
-        train_dataset=Dataset.from_list(rows),
-        processing_class=tokenizer,
-        peft_config=peft_config,
-    )
-    dataset: Any = trainer.train_dataset
-    per_epoch = sum(len(ids) for ids in dataset["input_ids"])
-    t0 = time.monotonic()
+    if best:
+        model.set_attn_implementation(attention_for_trl(cuda))
+    lora = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
+                      target_modules=LORA["target_modules"], bias="none", task_type="CAUSAL_LM")
+    rows = [json.loads(line) for line in Path(job["train"]).read_text().splitlines()]
+    clock, marks = _step_clock()
+    trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows),
+                         processing_class=AutoTokenizer.from_pretrained(job["model"]), peft_config=lora,
+                         callbacks=[clock])
+    trainer.remove_callback(PrinterCallback)  # its end-of-training dict, printed because tqdm is off
+    as_built = dict(Counter(str(p.dtype) for p in trainer.model.parameters() if p.requires_grad))
+    if best and not cuda:
+        fp32_lora(trainer.model)  # TRL casts a 4-bit model's LoRA weights to bf16; the optimizer is not built yet
     output = trainer.train()
-    seconds = time.monotonic() - t0
-    tokens = per_epoch * job["epochs"]
-    return {
-        "name": "TRL SFTTrainer" + (" (bf16=False)" if job.get("trl_fp32") else ""),
-        "steps": output.global_step,
-        "real_tokens": tokens,
-        "train_s": seconds,
-        "tokens_per_s": tokens / seconds,
-        "mean_train_loss": output.training_loss,
-        "peak_rss_mb": _peak_rss_mb(),
-    }
+    result = _finish(job["trl"], trainer.model, job, output.global_step, marks, output.training_loss)
+    result["lora_dtypes_as_built_by_trl"] = as_built
+    return result
 
 
-def _in_fresh_process(fn: Any, job: dict[str, Any]) -> dict[str, Any]:
+def fp32_lora(model: Any) -> int:
+    """Cast trainable (LoRA) parameters to fp32 in place; return how many were cast."""
+    import torch
+
+    cast = 0
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.to(torch.float32)
+            cast += 1
+    return cast
+
+
+# ----------------------------------------------------------------- the comparison
+
+
+def in_fresh_process(fn: Callable[[dict[str, Any]], dict[str, Any]], job: dict[str, Any]) -> dict[str, Any]:
+    """Run ``fn(job)`` in a new spawned interpreter (clean memory peak, no warm caches)."""
     with mp.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
         return pool.apply(fn, (job,))
 
 
-def _mean_length(job: dict[str, Any]) -> float:
-    from transformers import AutoTokenizer
+def alternate(job: dict[str, Any], repeats: int, also_defaults: bool,
+              run: Callable[[Callable[[dict[str, Any]], dict[str, Any]], dict[str, Any]], dict[str, Any]]
+              = in_fresh_process) -> list[dict[str, Any]]:
+    """Run ours, TRL-best (and TRL-defaults), ``repeats`` times, alternating; print each result as it comes."""
+    results = []
+    for repeat in range(1, repeats + 1):
+        contenders = [(run_ours, OURS), (run_trl, TRL_BEST)] + ([(run_trl, TRL_DEFAULTS)] if also_defaults else [])
+        for fn, name in contenders:
+            result = {**run(fn, {**job, "trl": name}), "repeat": repeat}
+            print(format_result(result), flush=True)
+            results.append(result)
+    return results
 
-    from trainer.data import read_conversations, tokenize_all
 
-    tokenizer = AutoTokenizer.from_pretrained(job["model"])
-    examples = tokenize_all(tokenizer, read_conversations(job["train"], "train"), 256, "train")
-    return sum(len(e) for e in examples) / len(examples)
+def format_result(r: dict[str, Any]) -> str:
+    """One line per run."""
+    cuda = f"  peak CUDA {r['peak_cuda_mb']:7.0f} MB" if r.get("peak_cuda_mb") is not None else ""
+    return (f"#{r['repeat']} {r['name']:26s} steps {r['steps']:4d} (timed {r['timed_steps']:4d}, "
+            f"{r['timed_tokens']:7d} tokens, {r['timed_s']:6.2f} s)  {r['tokens_per_s']:8.0f} tok/s  "
+            f"peak RSS {r['peak_rss_mb']:6.0f} MB{cuda}  train loss {r['mean_train_loss']:.4f}  "
+            f"eval loss {r['eval_loss']:.4f}  LoRA {_dtypes(r['lora_dtypes'])}"
+            + (f" (TRL built {_dtypes(r['lora_dtypes_as_built_by_trl'])})" if "lora_dtypes_as_built_by_trl" in r
+               else ""))
+
+
+def _dtypes(counts: dict[str, int]) -> str:
+    return ",".join(f"{k.removeprefix('torch.')} x{n}" for k, n in counts.items())
+
+
+def medians(results: list[dict[str, Any]], memory_key: str = "peak_rss_mb") -> dict[str, dict[str, float]]:
+    """Per contender: median tokens/s, memory, eval loss and mean train loss over the repeats."""
+    out: dict[str, dict[str, float]] = {}
+    for name in dict.fromkeys(r["name"] for r in results):
+        mine = [r for r in results if r["name"] == name]
+        out[name] = {k: statistics.median(r[k] for r in mine)
+                     for k in ("tokens_per_s", memory_key, "eval_loss", "mean_train_loss", "steps")}
+    return out
+
+
+def verdict(ours: dict[str, float], peer: dict[str, float], memory_key: str = "peak_rss_mb") -> dict[str, Any]:
+    """Ratios ours/peer and whether each part of the goal is met."""
+    speed = ours["tokens_per_s"] / peer["tokens_per_s"]
+    memory = ours[memory_key] / peer[memory_key]
+    checks = {"speed": speed >= GOAL["tokens_per_s_ratio"], "memory": memory <= GOAL["memory_ratio"],
+              "eval_loss": ours["eval_loss"] <= peer["eval_loss"]}
+    return {"tokens_per_s_ratio": speed, "memory_ratio": memory,
+            "eval_loss_ours": ours["eval_loss"], "eval_loss_peer": peer["eval_loss"], **checks,
+            "goal_met": all(checks.values())}
+
+
+def describe_ours(cuda: bool, step_tokens: int) -> str:
+    """Our configuration, as printed at the start."""
+    return (f"ours: trainer.recipe, packed rows of <= {step_tokens} tokens (padding-free, logits at trained positions "
+            f"only), NF4 compute {'bf16' if cuda else 'fp32'}, AdamW(lr={LEARNING_RATE}, weight_decay=0.0), linear "
+            f"schedule, warmup {WARMUP_STEPS}, max grad norm {MAX_GRAD_NORM}, non-reentrant gradient checkpointing")
+
+
+def describe_peer(cuda: bool, step_tokens: int, job: dict[str, Any]) -> str:
+    """The peer's configuration, as printed at the start."""
+    fields = {**trl_best_config(cuda, step_tokens), **shared_config(job)}
+    extra = ["LoRA " + ", ".join(f"{k}={v}" for k, v in LORA.items()), f"attn_implementation={attention_for_trl(cuda)}",
+             "LoRA weights " + ("bf16 (TRL's QLoRA cast)" if cuda else "fp32 (TRL's bf16 cast undone before train)"),
+             "base: trainer.model.load_base_model (NF4, double quant, compute " + ("bf16)" if cuda else "fp32)")]
+    return "TRL-best SFTConfig(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + "); " + "; ".join(extra)
+
+
+def report(job: dict[str, Any], results: list[dict[str, Any]], memory_key: str = "peak_rss_mb") -> dict[str, Any]:
+    """Print medians and ratios; return the summary (the JSON line's body)."""
+    med = medians(results, memory_key)
+    for name, m in med.items():
+        print(f"median {name:26s} {m['tokens_per_s']:8.0f} tok/s  {memory_key} {m[memory_key]:7.0f}  "
+              f"eval loss {m['eval_loss']:.4f}  train loss {m['mean_train_loss']:.4f}  steps {m['steps']:.0f}")
+    summary: dict[str, Any] = {"medians": med, "vs_trl_best": verdict(med[OURS], med[TRL_BEST], memory_key)}
+    v = summary["vs_trl_best"]
+    print(f"ratio ours / TRL-best: {v['tokens_per_s_ratio']:.2f}x tokens/s, {v['memory_ratio']:.2f}x {memory_key}, "
+          f"eval loss {v['eval_loss_ours']:.4f} vs {v['eval_loss_peer']:.4f} "
+          f"(goal: >= {GOAL['tokens_per_s_ratio']}x tokens/s at <= {GOAL['memory_ratio']}x memory with eval loss "
+          f"no worse than TRL's: {'met' if v['goal_met'] else 'NOT met'})")
+    if TRL_DEFAULTS in med:
+        d = summary["vs_trl_defaults_handicapped"] = verdict(med[OURS], med[TRL_DEFAULTS], memory_key)
+        print(f"(handicapped peer, not the headline) ours / TRL defaults: {d['tokens_per_s_ratio']:.2f}x tokens/s, "
+              f"{d['memory_ratio']:.2f}x {memory_key}")
+    return summary
 
 
 def main() -> None:
-    """Run both contenders and print tokens/s, peak RSS and the ratios."""
+    """Run the alternating repeats and print per-run lines, medians, ratios and one JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=600)
     parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument(
-        "--trl-fp32", action="store_true", help="also run TRL with bf16=False (its default is bf16 autocast)"
-    )
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--step-tokens", type=int, default=0, help="tokens per optimizer step (0: 8 x mean length)")
+    parser.add_argument("--also-trl-defaults", action="store_true",
+                        help="also run TRL with its defaults (padded, bf16 autocast on CPU), labelled handicapped")
     args = parser.parse_args()
+    quiet()
+    import torch
+
+    cuda = torch.cuda.is_available()
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
         job = prepare(Path(tmp), args.examples)
         job.update(epochs=args.epochs, threads=args.threads)
-        job["row_tokens"] = max(16, math.ceil(8 * _mean_length(job)))
-        print(
-            f"tiny model, {args.examples} examples x {args.epochs} epochs, "
-            f"threads={args.threads}, our row = {job['row_tokens']} tokens (~8 examples)"
-        )
-        results = [_in_fresh_process(run_ours, job), _in_fresh_process(run_trl, job)]
-        if args.trl_fp32:
-            results.append(_in_fresh_process(run_trl, {**job, "trl_fp32": True}))
-    for r in results:
-        print(
-            f"{r['name']:30s} steps {r['steps']:5d}  real tokens {r['real_tokens']:7d}  "
-            f"train {r['train_s']:6.1f} s  {r['tokens_per_s']:7.0f} tok/s  "
-            f"peak RSS {r['peak_rss_mb']:6.0f} MB  mean train loss {r['mean_train_loss']:.3f}"
-        )
-    ours = results[0]
-    for trl in results[1:]:
-        print(
-            f"ratio ours / {trl['name']}: {ours['tokens_per_s'] / trl['tokens_per_s']:.2f}x "
-            f"tokens/s, {ours['peak_rss_mb'] / trl['peak_rss_mb']:.2f}x peak RSS "
-            "(goal: >= 1.8x tokens/s, <= 1.0x memory)"
-        )
-    print(json.dumps(results))
+        job["step_tokens"] = args.step_tokens or max(16, math.ceil(8 * mean_length(job)))
+        print(f"tiny model, {args.examples} examples x {args.epochs} epochs, threads={args.threads}, "
+              f"{args.repeats} alternating repeats, {job['step_tokens']} tokens per optimizer step for both, "
+              f"{'CUDA' if cuda else 'CPU'}")
+        print(describe_ours(cuda, job["step_tokens"]))
+        print(describe_peer(cuda, job["step_tokens"], job), flush=True)
+        results = alternate(job, args.repeats, args.also_trl_defaults)
+    summary = report(job, results)
+    config = {"examples": args.examples, "epochs": args.epochs, "threads": args.threads, "repeats": args.repeats,
+              "step_tokens": job["step_tokens"], "device": "cuda" if cuda else "cpu",
+              "peer": {**trl_best_config(cuda, job["step_tokens"]), **shared_config(job),
+                       "attn_implementation": attention_for_trl(cuda)}}
+    print(json.dumps({"bench": "trainer", "config": config, "runs": results, **summary}))
 
 
 if __name__ == "__main__":
