@@ -175,7 +175,7 @@ class Recipe:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=self.hp.learning_rate, weight_decay=0.0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(self.hp.warmup_steps, self.total_steps)
+            self.optimizer, lr_lambda(self.hp.warmup_for(self.total_steps), self.total_steps)
         )
         random.seed(self.hp.seed)
         self.resume()
