@@ -52,7 +52,10 @@ class Hyperparameters(_Strict):
     """Training hyperparameters. One optimizer step = one packed row.
 
     Warm-up: ``warmup_steps``, or ``warmup_ratio`` of the total steps (rounded
-    up); not both.
+    up); not both. Early stopping: after ``early_stopping_patience`` periodic
+    evals (``eval_every_steps``) in a row whose validation loss is not below
+    the best so far minus ``early_stopping_min_delta``, training stops and the
+    adapter of the best eval is published.
     """
 
     epochs: Annotated[int, Field(ge=1, le=100)] = 3
@@ -69,6 +72,8 @@ class Hyperparameters(_Strict):
     eval_every_steps: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
     max_steps: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
     gradient_checkpointing: bool = True
+    early_stopping_patience: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    early_stopping_min_delta: Annotated[float, Field(ge=0.0, le=100.0)] = 0.0
 
     @field_validator("target_modules")
     @classmethod
@@ -94,6 +99,20 @@ class Hyperparameters(_Strict):
             raise ValueError(
                 f"set warmup_steps ({self.warmup_steps}) or warmup_ratio ({self.warmup_ratio}), not both: "
                 "warmup_ratio derives the warm-up steps from the total steps"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _early_stopping_needs_evals(self) -> Hyperparameters:
+        if self.early_stopping_patience is not None and self.eval_every_steps is None:
+            raise ValueError(
+                f"early_stopping_patience ({self.early_stopping_patience}) needs eval_every_steps: "
+                "early stopping counts the periodic validation evals; set eval_every_steps too"
+            )
+        if self.early_stopping_min_delta and self.early_stopping_patience is None:
+            raise ValueError(
+                f"early_stopping_min_delta ({self.early_stopping_min_delta}) does nothing without "
+                "early_stopping_patience: set both, or neither"
             )
         return self
 
@@ -222,7 +241,7 @@ def load_spec(path: str | Path) -> JobSpec:
     return parse_spec(data)
 
 
-_ADDED_HYPERPARAMETERS = ("warmup_ratio",)
+_ADDED_HYPERPARAMETERS = ("warmup_ratio", "early_stopping_patience", "early_stopping_min_delta")
 """Fields added after version 1 shipped: left out of the canonical JSON while at their default,
 so a spec that does not use them keeps its hash (and an in-flight job its checkpoints) across
 an upgrade."""

@@ -1,4 +1,4 @@
-"""Spec rules and pure pieces of the warm-up (no training)."""
+"""Spec rules and pure pieces of warm-up and early stopping (no training)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 
 from trainer.errors import SpecError
 from trainer.model import lr_lambda
+from trainer.recipe import improves
 from trainer.spec import Hyperparameters, parse_spec, spec_hash
 
 pytestmark = pytest.mark.unit
@@ -20,9 +21,22 @@ def _spec(**hyper: object) -> dict[str, object]:
     }
 
 
-def test_warmup_ratio_names_its_range() -> None:
-    with pytest.raises(SpecError, match="hyperparameters.warmup_ratio.*allowed range"):
-        parse_spec(_spec(warmup_ratio=0.6))
+def test_early_stopping_without_periodic_evals_is_refused() -> None:
+    with pytest.raises(SpecError, match=r"early_stopping_patience \(3\) needs eval_every_steps"):
+        parse_spec(_spec(early_stopping_patience=3))
+    spec = parse_spec(_spec(early_stopping_patience=3, eval_every_steps=50, early_stopping_min_delta=0.01))
+    assert spec.hyperparameters.early_stopping_patience == 3
+
+
+def test_min_delta_without_patience_is_refused() -> None:
+    with pytest.raises(SpecError, match=r"early_stopping_min_delta \(0.1\) does nothing without"):
+        parse_spec(_spec(early_stopping_min_delta=0.1, eval_every_steps=5))
+
+
+@pytest.mark.parametrize(("field", "value"), [("early_stopping_patience", 0), ("warmup_ratio", 0.6)])
+def test_new_fields_name_their_range(field: str, value: object) -> None:
+    with pytest.raises(SpecError, match=f"hyperparameters.{field}.*allowed range"):
+        parse_spec(_spec(**{field: value, "eval_every_steps": 5}))
 
 
 def test_warmup_steps_and_ratio_together_are_refused() -> None:
@@ -44,8 +58,14 @@ def test_warmup_ratio_gives_ceil_of_ratio_times_total(ratio: float | None, total
     assert factor(total) == 0.0
 
 
+def test_improvement_needs_more_than_min_delta() -> None:
+    assert improves(5.0, None, 0.5)  # the first eval always sets the best
+    assert improves(4.4, 5.0, 0.5) and not improves(4.5, 5.0, 0.5)
+    assert not improves(5.0, 5.0, 0.0) and improves(4.999, 5.0, 0.0)
+
+
 def test_spec_hash_unchanged_for_specs_not_using_the_new_fields() -> None:
-    # hash of this spec before warmup_ratio existed: checkpoints of jobs in
+    # hash of this spec before warmup_ratio/early stopping existed: checkpoints of jobs in
     # flight across the upgrade must still resume
     spec = parse_spec(_spec(warmup_steps=3, eval_every_steps=5))
     assert spec_hash(spec) == "sha256:c15a6a35417cbf3147ea4d5ed1b6d2993ceb8ded58548408ca1f2fc58018fed9"
