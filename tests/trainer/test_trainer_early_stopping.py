@@ -11,7 +11,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from trainer_testlib import Tiny, ToyData, events, losses, make_spec, run_trainer, start_trainer, wait_for, write_spec
+from trainer_testlib import (
+    Reference,
+    Tiny,
+    ToyData,
+    events,
+    losses,
+    make_spec,
+    run_trainer,
+    start_trainer,
+    wait_for,
+    write_spec,
+)
 
 from trainer import exitcodes
 
@@ -178,3 +189,12 @@ def test_requeue_between_best_and_stop_resumes_to_the_same_decision(
     assert losses(staging) == losses(stopped.staging)
     mine, theirs = _published(staging), _published(stopped.staging)
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_without_early_stopping_the_last_step_is_published(reference: Reference) -> None:
+    evals = json.loads((reference.staging / "eval.json").read_text())
+    manifest = json.loads((reference.staging / "manifest.json").read_text())
+    assert (evals["best_step"], evals["best_loss"], evals["stopped_early"]) == (None, None, False)
+    assert manifest["best_step"] is None and evals["after"]["step"] == manifest["steps"]
+    assert not list((reference.job_dir / "checkpoints").glob("*/best.safetensors"))
+    assert "early_stop" not in {e["type"] for e in events(reference.job_dir)}
