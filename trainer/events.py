@@ -16,7 +16,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-EVENT_TYPES = frozenset({"start", "phase", "metrics", "eval", "checkpoint", "done", "stopped", "failed"})
+EVENT_TYPES = frozenset(
+    {"start", "phase", "metrics", "eval", "checkpoint", "early_stop", "done", "stopped", "failed"}
+)
 PHASES = frozenset({"tokenizing", "training", "evaluating", "saving"})
 
 

@@ -137,7 +137,11 @@ def trainable_state(model: Any) -> dict[str, torch.Tensor]:
 
 
 def lr_lambda(warmup: int, total: int) -> Any:
-    """Linear warmup over ``warmup`` steps, then linear decay to 0 at ``total``."""
+    """Linear warmup over ``warmup`` steps, then linear decay to 0 at ``total``.
+
+    ``warmup`` comes from ``Hyperparameters.warmup_for(total)`` (``warmup_steps`` or
+    ``warmup_ratio``). Returns the ``LambdaLR`` factor function.
+    """
 
     def factor(step: int) -> float:
         if step < warmup:

@@ -2,9 +2,15 @@
 
 ``run_job(spec)`` = ``setup`` (verify inputs, tokenize, load the pinned 4-bit
 base, add LoRA, resume from the newest complete checkpoint) -> ``train``
-(packed steps, periodic checkpoints and evals, signal flags checked after
-every optimizer step) -> ``finalize`` (adapter, eval, metrics, manifest into
-``attempts/<n>/staging``, ``COMPLETE`` last) -> ``cleanup``.
+(packed steps, periodic checkpoints and evals, early stopping, signal flags
+checked after every optimizer step) -> ``finalize`` (adapter, eval, metrics,
+manifest into ``attempts/<n>/staging``, ``COMPLETE`` last) -> ``cleanup``.
+
+Early stopping (``early_stopping_patience``) tracks the best periodic ("step")
+eval and keeps that adapter (in memory and as ``best.safetensors`` in every
+checkpoint); ``finalize`` publishes it. The "before" eval (step 0) is a
+reference only, never a candidate: publishing the untrained adapter would
+surprise more than a first eval that is already worse than the base.
 
 Signals: SIGUSR1 -> finish the step, checkpoint, exit 75 (requeue);
 SIGTERM -> finish the step, checkpoint, exit 143, never COMPLETE.
@@ -93,6 +99,16 @@ class Progress:
     elapsed_s: float = 0.0
     metrics: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
+    # early stopping; the best adapter's tensors are Recipe.best_adapter
+    best_step: int | None = None
+    best_loss: float | None = None
+    bad_evals: int = 0
+    stopped_early: bool = False
+
+
+def improves(loss: float, best: float | None, min_delta: float) -> bool:
+    """Return True when an eval ``loss`` beats ``best`` (None: nothing yet) by more than ``min_delta``."""
+    return best is None or loss < best - min_delta
 
 
 class Recipe:
@@ -112,6 +128,7 @@ class Recipe:
         self.events = EventLog(self.job_dir / "events.jsonl", attempt, spec.job_id)
         self.progress = Progress()
         self.last_checkpoint_step = -1
+        self.best_adapter: dict[str, Any] | None = None  # CPU copies of the best eval's LoRA tensors
 
     # -- setup ---------------------------------------------------------------
 
@@ -175,7 +192,7 @@ class Recipe:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=self.hp.learning_rate, weight_decay=0.0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(self.hp.warmup_steps, self.total_steps)
+            self.optimizer, lr_lambda(self.hp.warmup_for(self.total_steps), self.total_steps)
         )
         random.seed(self.hp.seed)
         self.resume()
@@ -208,6 +225,8 @@ class Recipe:
                     )
                 adapter = load_safetensors((path / "adapter.safetensors").read_bytes())
                 tensors = torch.load(path / "state.pt", weights_only=True, map_location="cpu")
+                has_best = state.get("best_step") is not None
+                best = load_safetensors((path / "best.safetensors").read_bytes()) if has_best else None
             except (OSError, ValueError, KeyError, RuntimeError) as e:
                 log.warning("checkpoint %s unreadable (%s); trying an older one", path.name, type(e).__name__)
                 continue
@@ -221,7 +240,17 @@ class Recipe:
             if torch.cuda.is_available() and "rng_cuda" in tensors:
                 torch.cuda.set_rng_state_all(tensors["rng_cuda"])
             random.setstate(_tuples(state["rng_python"]))
-            self.progress = Progress(state["step"], state["elapsed_s"], state["metrics"], state["evals"])
+            self.progress = Progress(
+                state["step"],
+                state["elapsed_s"],
+                state["metrics"],
+                state["evals"],
+                state.get("best_step"),
+                state.get("best_loss"),
+                state.get("bad_evals", 0),
+                state.get("stopped_early", False),
+            )
+            self.best_adapter = best
             self.last_checkpoint_step = step
             log.info("resumed from checkpoint step %d", step)
             self.events.emit("start", resumed_from_step=step)
@@ -230,14 +259,15 @@ class Recipe:
     # -- train ---------------------------------------------------------------
 
     def train(self) -> None:
-        """Run the optimizer steps left; checkpoint, eval and honour signals."""
-        progress, hp = self.progress, self.hp
+        """Run the optimizer steps left; checkpoint, eval, stop early and honour signals."""
+        progress = self.progress
         if progress.step == 0 and not progress.evals:
             self._eval("before")
         self.events.phase("training")
         self.model.train()
         started = time.monotonic() - progress.elapsed_s
-        while progress.step < self.total_steps:
+        self._step_eval()  # one a signal interrupted before this resume
+        while progress.step < self.total_steps and not progress.stopped_early:
             epoch, indices = self.rows[progress.step]
             row = build_row([self.train_examples[i] for i in indices])
             t0 = time.monotonic()
@@ -258,8 +288,7 @@ class Recipe:
             }
             progress.metrics.append(metric)
             self.events.emit("metrics", total_steps=self.total_steps, **metric)
-            if hp.eval_every_steps and progress.step % hp.eval_every_steps == 0:
-                self._eval("step")
+            self._step_eval()
             if self.stop.signum is not None:  # the only place a signal takes effect mid-training
                 raise Stop(self.stop.signum)
             if progress.step % self.spec.checkpoint_every_steps == 0:
@@ -278,9 +307,55 @@ class Recipe:
         self.optimizer.zero_grad(set_to_none=True)
         return float(loss.detach()), trained
 
-    def _eval(self, when: str) -> dict[str, Any]:
+    def _step_eval(self) -> None:
+        """Run the periodic eval due at this step, once, and feed it to early stopping.
+
+        Due every ``eval_every_steps`` and, with early stopping, at the last
+        step too (its adapter is a candidate). Skipped when already recorded:
+        after a resume only an eval a signal interrupted is redone.
+        """
+        step, evals = self.progress.step, self.progress.evals
+        every, patience = self.hp.eval_every_steps, self.hp.early_stopping_patience
+        if every is None or step == 0:
+            return
+        if step % every and not (patience is not None and step == self.total_steps):
+            return
+        if evals and evals[-1]["when"] == "step" and evals[-1]["step"] == step:
+            return
+        result = self._eval("step")
+        if patience is not None:
+            self._early_stopping(result["loss"], patience)
+
+    def _early_stopping(self, loss: float, patience: int) -> None:
+        """Keep the adapter of an improving eval; after ``patience`` evals without one, stop."""
+        progress = self.progress
+        if improves(loss, progress.best_loss, self.hp.early_stopping_min_delta):
+            progress.best_step, progress.best_loss, progress.bad_evals = progress.step, loss, 0
+            # clone: on CPU trainable_state returns views of the live parameters
+            self.best_adapter = {n: t.clone() for n, t in trainable_state(self.model).items()}
+            return
+        progress.bad_evals += 1
+        if progress.bad_evals >= patience and progress.step < self.total_steps:
+            progress.stopped_early = True
+            self.events.emit(
+                "early_stop",
+                step=progress.step,
+                best_step=progress.best_step,
+                best_loss=progress.best_loss,
+                bad_evals=progress.bad_evals,
+            )
+            log.info(
+                "early stop at step %d: %d evals without improvement, best step %s (loss %.4f)",
+                progress.step,
+                progress.bad_evals,
+                progress.best_step,
+                progress.best_loss,
+            )
+
+    def _eval(self, when: str, step: int | None = None) -> dict[str, Any]:
+        """Evaluate the model now; ``step`` is the step its weights come from (default: now)."""
         self.events.phase("evaluating")
-        result = {"when": when, "step": self.progress.step}
+        result = {"when": when, "step": self.progress.step if step is None else step}
         result.update(evaluate(self.model, self.val_examples, self.hp.batch_size_tokens, self.stop.check))
         self.progress.evals.append(result)
         self.events.emit("eval", **result)
@@ -292,7 +367,10 @@ class Recipe:
     # -- checkpoints -----------------------------------------------------------
 
     def save_checkpoint(self) -> Path | None:
-        """Write ``checkpoints/step-<n>`` atomically, then keep only the newest K."""
+        """Write ``checkpoints/step-<n>`` atomically, then keep only the newest K.
+
+        With early stopping each one also holds the best adapter so far (``best.safetensors``).
+        """
         import torch
         from safetensors.torch import save as save_safetensors
 
@@ -315,15 +393,19 @@ class Recipe:
             "metrics": self.progress.metrics,
             "evals": self.progress.evals,
             "rng_python": random.getstate(),
+            "best_step": self.progress.best_step,
+            "best_loss": self.progress.best_loss,
+            "bad_evals": self.progress.bad_evals,
+            "stopped_early": self.progress.stopped_early,
         }
-        path = ckpt.write_complete_dir(
-            ckpt.step_dir(self.checkpoints, step),
-            {
-                "adapter.safetensors": save_safetensors(trainable_state(self.model)),
-                "state.pt": buffer.getvalue(),
-                "progress.json": json.dumps(progress).encode(),
-            },
-        )
+        files = {
+            "adapter.safetensors": save_safetensors(trainable_state(self.model)),
+            "state.pt": buffer.getvalue(),
+            "progress.json": json.dumps(progress).encode(),
+        }
+        if self.best_adapter is not None:  # inside each checkpoint: pruning never loses it
+            files["best.safetensors"] = save_safetensors(self.best_adapter)
+        path = ckpt.write_complete_dir(ckpt.step_dir(self.checkpoints, step), files)
         self.last_checkpoint_step = step
         pruned = ckpt.prune(self.checkpoints, self.spec.keep_checkpoints)
         self.events.emit("checkpoint", step=step, path=f"checkpoints/{path.name}", pruned=pruned)
@@ -332,8 +414,13 @@ class Recipe:
     # -- finalize ----------------------------------------------------------------
 
     def finalize(self) -> Path:
-        """Final eval, then adapter + tokenizer + eval + metrics + manifest, COMPLETE last."""
-        after = self._eval("after")
+        """Final eval, then adapter + tokenizer + eval + metrics + manifest, COMPLETE last.
+
+        With early stopping the best eval's adapter is loaded back first, so the
+        "after" eval and the published adapter are those of ``best_step``.
+        """
+        published = self._load_best()
+        after = self._eval("after", published)
         self.events.phase("saving")
         self.staging.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         if self.staging.exists():
@@ -348,6 +435,9 @@ class Recipe:
             "after": after,
             "during": [e for e in self.progress.evals if e["when"] == "step"],
             "validation": "file" if self.spec.validation else "holdout",
+            "best_step": self.progress.best_step,
+            "best_loss": self.progress.best_loss,
+            "stopped_early": self.progress.stopped_early,
         }
         ckpt.write_durable(self.staging / "eval.json", json.dumps(evals, indent=1).encode())
         metrics = "".join(
@@ -371,6 +461,23 @@ class Recipe:
             self.stop.check()
         return self.staging
 
+    def _load_best(self) -> int:
+        """Put the best adapter back into the model (early stopping); return the step it is from."""
+        progress = self.progress
+        if self.best_adapter is None or progress.best_step in (None, progress.step):
+            return progress.step
+        import torch
+
+        # the last step's own state first: a signal from here on then saves nothing newer,
+        # so no checkpoint ever holds the best adapter as the current one
+        self.save_checkpoint()
+        named = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, value in self.best_adapter.items():
+                named[name].copy_(value)
+        log.info("publishing the adapter of step %d (loss %.4f)", progress.best_step, progress.best_loss)
+        return progress.best_step
+
     def _manifest(self) -> dict[str, Any]:
         files = {
             p.name: "sha256:" + hashlib.sha256(p.read_bytes()).hexdigest()
@@ -387,6 +494,7 @@ class Recipe:
             "spec_hash": self.spec_hash,
             "attempt": self.attempt,
             "steps": self.progress.step,
+            "best_step": self.progress.best_step,
             "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
         }
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import types
 import typing
@@ -48,7 +49,14 @@ class DatasetRef(_Strict):
 
 
 class Hyperparameters(_Strict):
-    """Training hyperparameters. One optimizer step = one packed row."""
+    """Training hyperparameters. One optimizer step = one packed row.
+
+    Warm-up: ``warmup_steps``, or ``warmup_ratio`` of the total steps (rounded
+    up); not both. Early stopping: after ``early_stopping_patience`` periodic
+    evals (``eval_every_steps``) in a row whose validation loss is not below
+    the best so far minus ``early_stopping_min_delta``, training stops and the
+    adapter of the best eval is published.
+    """
 
     epochs: Annotated[int, Field(ge=1, le=100)] = 3
     learning_rate: Annotated[float, Field(gt=0.0, le=1.0)] = 2e-4
@@ -59,10 +67,13 @@ class Hyperparameters(_Strict):
     lora_dropout: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.05
     target_modules: Literal["all-linear"] | Annotated[list[str], Field(min_length=1)] = "all-linear"
     warmup_steps: Annotated[int, Field(ge=0, le=1_000_000)] = 10
+    warmup_ratio: Annotated[float, Field(ge=0.0, le=0.5)] | None = None
     seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = 0
     eval_every_steps: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
     max_steps: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
     gradient_checkpointing: bool = True
+    early_stopping_patience: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    early_stopping_min_delta: Annotated[float, Field(ge=0.0, le=100.0)] = 0.0
 
     @field_validator("target_modules")
     @classmethod
@@ -81,6 +92,36 @@ class Hyperparameters(_Strict):
                 f"({self.batch_size_tokens}): one example must fit in one packed row"
             )
         return self
+
+    @model_validator(mode="after")
+    def _one_warmup(self) -> Hyperparameters:
+        if self.warmup_ratio is not None and "warmup_steps" in self.model_fields_set:
+            raise ValueError(
+                f"set warmup_steps ({self.warmup_steps}) or warmup_ratio ({self.warmup_ratio}), not both: "
+                "warmup_ratio derives the warm-up steps from the total steps"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _early_stopping_needs_evals(self) -> Hyperparameters:
+        if self.early_stopping_patience is not None and self.eval_every_steps is None:
+            raise ValueError(
+                f"early_stopping_patience ({self.early_stopping_patience}) needs eval_every_steps: "
+                "early stopping counts the periodic validation evals; set eval_every_steps too"
+            )
+        if self.early_stopping_min_delta and self.early_stopping_patience is None:
+            raise ValueError(
+                f"early_stopping_min_delta ({self.early_stopping_min_delta}) does nothing without "
+                "early_stopping_patience: set both, or neither"
+            )
+        return self
+
+    def warmup_for(self, total_steps: int) -> int:
+        """Return the warm-up steps of a run of ``total_steps``: ``warmup_steps`` or ceil(ratio * total)."""
+        if self.warmup_ratio is None:
+            return self.warmup_steps
+        # the epsilon keeps e.g. 0.1 * 30 = 3.0000000000000004 at 3
+        return math.ceil(self.warmup_ratio * total_steps - 1e-9)
 
 
 class JobSpec(_Strict):
@@ -200,9 +241,21 @@ def load_spec(path: str | Path) -> JobSpec:
     return parse_spec(data)
 
 
+_ADDED_HYPERPARAMETERS = ("warmup_ratio", "early_stopping_patience", "early_stopping_min_delta")
+"""Fields added after version 1 shipped: left out of the canonical JSON while at their default,
+so a spec that does not use them keeps its hash (and an in-flight job its checkpoints) across
+an upgrade."""
+
+
 def spec_to_json(spec: JobSpec) -> str:
-    """Return the canonical JSON text of ``spec`` (sorted keys, defaults included)."""
-    return json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    """Return the canonical JSON text of ``spec`` for hashing (sorted keys, defaults included
+    except those of ``_ADDED_HYPERPARAMETERS``)."""
+    data = spec.model_dump(mode="json")
+    fields = Hyperparameters.model_fields
+    for name in _ADDED_HYPERPARAMETERS:
+        if data["hyperparameters"][name] == fields[name].default:
+            del data["hyperparameters"][name]
+    return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
 
 def spec_hash(spec: JobSpec) -> str:
