@@ -9,6 +9,7 @@ the reconciler reads the bytes (through storage) and calls ``ingest_events``.
 from __future__ import annotations
 
 import json
+import math
 from datetime import timedelta
 from typing import Any
 
@@ -51,6 +52,24 @@ def trainer_failure(job: FineTuningJob) -> str | None:
     return f"{msg}" if msg else None
 
 
+def _num(value: Any) -> float | None:
+    """``value`` as a finite float when it is a JSON number, else None (the lines are untrusted)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _int(value: Any) -> int | None:
+    """``value`` when it is a JSON integer (not a bool), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _loss(value: Any) -> str:
+    """A loss for an event message: four decimals, or "?" for anything that is not a number."""
+    n = _num(value)
+    return f"{n:.4f}" if n is not None else "?"
+
+
 def _one_event(s: Session, job: FineTuningJob, ev: dict[str, Any], progress: dict[str, Any],
                changes: dict[str, Any]) -> None:
     kind = ev.get("type")
@@ -66,14 +85,21 @@ def _one_event(s: Session, job: FineTuningJob, ev: dict[str, Any], progress: dic
     elif kind == "eval":
         progress.setdefault("evals", []).append(
             {k: ev.get(k) for k in ("when", "step", "loss", "perplexity", "token_accuracy")})
-        add_event(s, job.id, f"Eval ({ev.get('when')}, step {ev.get('step')}): loss={ev.get('loss', 0):.4f}",
+        add_event(s, job.id, f"Eval ({ev.get('when')}, step {_int(ev.get('step'))}): loss={_loss(ev.get('loss'))}",
                   type_="metrics", data={"step": ev.get("step"), "valid_loss": ev.get("loss"),
                                          "valid_mean_token_accuracy": ev.get("token_accuracy")})
     elif kind == "checkpoint":
-        s.add(JobCheckpoint(job_id=job.id, attempt=int(ev.get("attempt") or 0), step=int(ev.get("step") or 0),
+        s.add(JobCheckpoint(job_id=job.id, attempt=_int(ev.get("attempt")) or 0, step=_int(ev.get("step")) or 0,
                             path=str(ev.get("path", "")),
                             metrics={"train_loss": progress.get("loss"), "step": ev.get("step")}))
-        add_event(s, job.id, f"Checkpoint saved at step {ev.get('step')}")
+        add_event(s, job.id, f"Checkpoint saved at step {_int(ev.get('step'))}")
+    elif kind == "early_stop":
+        stop = {"step": _int(ev.get("step")), "best_step": _int(ev.get("best_step")),
+                "best_loss": _num(ev.get("best_loss"))}
+        progress["early_stop"] = stop
+        add_event(s, job.id, f"Early stopping at step {stop['step']}: validation loss stopped improving; "
+                  f"the adapter of step {stop['best_step']} (loss {_loss(stop['best_loss'])}) is published",
+                  data=stop)
     elif kind == "stopped":
         add_event(s, job.id, f"Trainer stopped by {ev.get('signal')} at step {ev.get('step')} "
                   f"(checkpoint {ev.get('checkpoint_step')})")
@@ -90,10 +116,11 @@ def _metrics(s: Session, job: FineTuningJob, ev: dict[str, Any], progress: dict[
     if isinstance(step, int) and isinstance(ev.get("tokens"), int) and step > progress.get("counted_step", 0):
         progress["counted_step"] = step
         changes["trained_tokens"] = changes.get("trained_tokens", job.trained_tokens or 0) + ev["tokens"]
-    if isinstance(step, int) and isinstance(total, int) and step > 0 and ev.get("elapsed_s"):
-        left = (total - step) * float(ev["elapsed_s"]) / step
+    elapsed = _num(ev.get("elapsed_s"))
+    if isinstance(step, int) and isinstance(total, int) and step > 0 and elapsed:
+        left = max(0.0, min((total - step) * elapsed / step, 366 * 86400.0))
         changes["estimated_finish"] = utcnow() + timedelta(seconds=left)
-    add_event(s, job.id, f"Step {step}/{total}: training loss={ev.get('loss', 0):.4f}",
+    add_event(s, job.id, f"Step {_int(step)}/{_int(total)}: training loss={_loss(ev.get('loss'))}",
               type_="metrics", data={"step": step, "total_steps": total,
                                      "train_loss": ev.get("loss"),
                                      "tokens_per_s": ev.get("tokens_per_s")})

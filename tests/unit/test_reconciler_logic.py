@@ -183,6 +183,31 @@ def test_trainer_events_become_progress_checkpoints_and_tokens(env: Any) -> None
     assert "Checkpoint saved at step 2" in messages
 
 
+def test_malformed_numbers_in_events_neither_stall_the_job_nor_reach_a_message(env: Any) -> None:
+    # events.jsonl is the tenant's file: values of the wrong type must not raise in the
+    # reconciler (the offset would never move past the line) nor be formatted as numbers
+    engine, settings, fake, client = env
+    jid, _ = _running(engine, client, fake)
+    _events(settings, jid,
+            {"type": "metrics", "step": 1, "total_steps": 5, "loss": "NaN-ish", "elapsed_s": "soon", "tokens": 9},
+            {"type": "eval", "when": "step", "step": "1", "loss": [1]},
+            {"type": "checkpoint", "attempt": "zero", "step": {"n": 1}, "path": "checkpoints/step-1"},
+            {"type": "early_stop", "step": 4, "best_step": 2, "best_loss": 0.5},
+            {"type": "early_stop", "step": True, "best_step": "x", "best_loss": "low"})
+    Reconciler(engine, settings, client).cycle()
+    job = _status(engine, jid)
+    path = tenant_root(settings.storage_root, "acme") / "jobs" / jid / "events.jsonl"
+    assert job.events_offset == path.stat().st_size
+    assert job.progress and job.progress["early_stop"] == {"step": None, "best_step": None, "best_loss": None}
+    with Session(engine) as s:
+        messages = [e.message for e in s.exec(select(JobEvent).where(JobEvent.job_id == jid))]
+        ckpts = s.exec(select(JobCheckpoint).where(JobCheckpoint.job_id == jid)).all()
+    assert "Step 1/5: training loss=?" in messages and "Eval (step, step None): loss=?" in messages
+    assert [(c.attempt, c.step) for c in ckpts] == [(0, 0)]
+    assert ("Early stopping at step 4: validation loss stopped improving; the adapter of step 2 "
+            "(loss 0.5000) is published") in messages
+
+
 def test_trainer_failure_message_is_the_error(env: Any) -> None:
     engine, settings, fake, client = env
     jid, sid = _running(engine, client, fake)
