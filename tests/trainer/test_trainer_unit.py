@@ -18,7 +18,18 @@ from trainer.data import Conversation, holdout_split, read_conversations
 from trainer.errors import CatalogError, CheckpointError, DatasetError, ModelDigestError, SpecError
 from trainer.events import EventLog, read_events
 from trainer.jobenv import attempt_number
-from trainer.packing import IGNORE, Example, build_row, epoch_order, mask_from_spans, mask_runs, pack, plan
+from trainer.packing import (
+    IGNORE,
+    Example,
+    build_row,
+    epoch_order,
+    mask_from_spans,
+    mask_runs,
+    micro_batches,
+    pack,
+    plan,
+    sequence_bounds,
+)
 from trainer.spec import JobSpec, load_spec, parse_spec, spec_hash
 
 pytestmark = pytest.mark.unit
@@ -132,6 +143,20 @@ def test_row_positions_reset_and_targets_stay_inside_examples() -> None:
     # token 12 (last of a) must never learn to predict 20 (first of b)
     assert row.targets == [11, 12, IGNORE, IGNORE, 22, 23, IGNORE]
     assert row.n_targets == 4
+
+
+def test_micro_batches_split_a_step_into_rows_that_concatenate_to_it() -> None:
+    step = [_ex(list(range(10 * i, 10 * i + n)), [0] + [1] * (n - 1), i) for i, n in enumerate([5, 3, 6, 2, 4])]
+    rows = micro_batches(step, capacity=8)
+    assert [len(r.input_ids) for r in rows] == [8, 8, 4]
+    whole = build_row(step)
+    assert [t for r in rows for t in r.input_ids] == whole.input_ids
+    assert [t for r in rows for t in r.targets] == whole.targets
+    assert [p for r in rows for p in r.position_ids] == whole.position_ids
+    assert sequence_bounds(rows[0].position_ids) == [0, 5, 8]
+    assert sequence_bounds(whole.position_ids) == [0, 5, 8, 14, 16, 20]
+    with pytest.raises(ValueError):
+        micro_batches(step, capacity=5)
 
 
 def test_mask_runs_and_weights() -> None:
