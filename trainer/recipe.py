@@ -1,9 +1,11 @@
 """The QLoRA recipe that runs inside one Slurm job. Read it top to bottom.
 
-``run_job(spec)`` = ``setup`` (verify inputs, tokenize, load the pinned 4-bit
-base, add LoRA, resume from the newest complete checkpoint) -> ``train``
-(packed steps, periodic checkpoints and evals, signal flags checked after
-every optimizer step) -> ``finalize`` (adapter, eval, metrics, manifest into
+``run_job(spec)`` = ``setup`` (verify inputs, tokenize, load
+the pinned 4-bit base, add LoRA, resume from the newest complete checkpoint)
+-> ``train`` (steps of up to ``batch_size_tokens`` tokens, each run as packed
+micro-batch rows of at most ``max_seq_len`` tokens with gradient accumulation;
+periodic checkpoints and evals, signal flags checked after every optimizer
+step) -> ``finalize`` (adapter, eval, metrics, manifest into
 ``attempts/<n>/staging``, ``COMPLETE`` last) -> ``cleanup``.
 
 Signals: SIGUSR1 -> finish the step, checkpoint, exit 75 (requeue);
@@ -34,8 +36,16 @@ from trainer.catalog import resolve
 from trainer.data import holdout_split, read_conversations, tokenize_all, verify_sha256
 from trainer.errors import CheckpointError, DatasetError, ModelDigestError, TrainerError
 from trainer.events import EventLog
-from trainer.model import add_lora, evaluate, load_base_model, lr_lambda, row_loss, trainable_state
-from trainer.packing import Example, Row, build_row, plan
+from trainer.model import (
+    accumulate_gradients,
+    add_lora,
+    compile_layers,
+    evaluate,
+    load_base_model,
+    lr_lambda,
+    trainable_state,
+)
+from trainer.packing import Example, Row, micro_batches, plan
 from trainer.spec import JobSpec, spec_hash
 
 log = logging.getLogger("trainer")
@@ -152,26 +162,32 @@ class Recipe:
         self.stop.check()
         self.events.phase("tokenizing")
         import torch
+
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.train_examples, self.val_examples = self._load_examples()
         self.stop.check()
-        self.rows = [
-            (epoch, row)
-            for epoch, rows in enumerate(
+        self.steps = [
+            (epoch, step)
+            for epoch, steps in enumerate(
                 plan([len(e) for e in self.train_examples], self.hp.batch_size_tokens, self.hp.seed, self.hp.epochs)
             )
-            for row in rows
+            for step in steps
         ]
-        self.total_steps = min(len(self.rows), self.hp.max_steps or len(self.rows))
+        self.total_steps = min(len(self.steps), self.hp.max_steps or len(self.steps))
         log.info(
             "tokenized %d train / %d validation examples, %d steps",
             len(self.train_examples),
             len(self.val_examples),
             self.total_steps,
         )
-        self.model = add_lora(load_base_model(model_path), self.hp)
+        self.model = add_lora(load_base_model(model_path, self.device, self.hp.max_seq_len), self.hp)
+        if self.hp.torch_compile and self.device == "cuda":
+            log.info("torch.compile: %d decoder layers", compile_layers(self.model))
+        elif self.hp.torch_compile:
+            log.info("torch_compile ignored on the CPU")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=self.hp.learning_rate, weight_decay=0.0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -238,11 +254,12 @@ class Recipe:
         self.model.train()
         started = time.monotonic() - progress.elapsed_s
         while progress.step < self.total_steps:
-            epoch, indices = self.rows[progress.step]
-            row = build_row([self.train_examples[i] for i in indices])
+            epoch, indices = self.steps[progress.step]
+            rows = micro_batches([self.train_examples[i] for i in indices], hp.max_seq_len)
+            tokens = sum(len(row.input_ids) for row in rows)
             t0 = time.monotonic()
             lr = self.scheduler.get_last_lr()[0]
-            loss, trained = self.optimizer_step(row)
+            loss, trained = self.optimizer_step(rows)
             progress.step += 1
             dt = time.monotonic() - t0
             progress.elapsed_s = time.monotonic() - started
@@ -251,9 +268,9 @@ class Recipe:
                 "epoch": epoch,
                 "loss": loss,
                 "lr": lr,
-                "tokens": len(row.input_ids),
+                "tokens": tokens,
                 "trained_tokens": trained,
-                "tokens_per_s": len(row.input_ids) / dt if dt > 0 else None,
+                "tokens_per_s": tokens / dt if dt > 0 else None,
                 "elapsed_s": round(progress.elapsed_s, 4),
             }
             progress.metrics.append(metric)
@@ -265,23 +282,21 @@ class Recipe:
             if progress.step % self.spec.checkpoint_every_steps == 0:
                 self.save_checkpoint()
 
-    def optimizer_step(self, row: Row) -> tuple[float, int]:
-        """One step on one packed row: mean loss over its trained tokens; returns (loss, tokens)."""
+    def optimizer_step(self, rows: list[Row]) -> tuple[float, int]:
+        """One step over its micro-batch rows (gradients accumulated); returns (token-mean loss, trained tokens)."""
         import torch
 
-        loss_sum, trained, _ = row_loss(self.model, row)
-        loss = loss_sum / max(trained, 1)
-        loss.backward()
+        loss, trained = accumulate_gradients(self.model, rows)
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach()), trained
+        return loss, trained
 
     def _eval(self, when: str) -> dict[str, Any]:
         self.events.phase("evaluating")
         result = {"when": when, "step": self.progress.step}
-        result.update(evaluate(self.model, self.val_examples, self.hp.batch_size_tokens, self.stop.check))
+        result.update(evaluate(self.model, self.val_examples, self.hp.max_seq_len, self.stop.check))
         self.progress.evals.append(result)
         self.events.emit("eval", **result)
         log.info("eval %s step %d: loss %.4f", when, result["step"], result["loss"])

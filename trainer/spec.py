@@ -48,7 +48,17 @@ class DatasetRef(_Strict):
 
 
 class Hyperparameters(_Strict):
-    """Training hyperparameters. One optimizer step = one packed row."""
+    """Training hyperparameters.
+
+    One optimizer step = whole examples totalling at most ``batch_size_tokens``
+    tokens, run as micro-batches (padding-free packed rows of at most
+    ``max_seq_len`` tokens) whose gradients are accumulated; the step's loss is
+    the mean over all its trained tokens, as if it were one large batch.
+    ``max_seq_len`` bounds the attention length (and so its memory);
+    ``batch_size_tokens`` only sets how many tokens one update sees.
+    ``torch_compile`` compiles the decoder layers with ``torch.compile`` on CUDA
+    (ignored on the CPU).
+    """
 
     epochs: Annotated[int, Field(ge=1, le=100)] = 3
     learning_rate: Annotated[float, Field(gt=0.0, le=1.0)] = 2e-4
@@ -63,6 +73,7 @@ class Hyperparameters(_Strict):
     eval_every_steps: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
     max_steps: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
     gradient_checkpointing: bool = True
+    torch_compile: bool = False
 
     @field_validator("target_modules")
     @classmethod
@@ -78,7 +89,7 @@ class Hyperparameters(_Strict):
         if self.max_seq_len > self.batch_size_tokens:
             raise ValueError(
                 f"max_seq_len ({self.max_seq_len}) must be <= batch_size_tokens "
-                f"({self.batch_size_tokens}): one example must fit in one packed row"
+                f"({self.batch_size_tokens}): one example must fit in one optimizer step"
             )
         return self
 
