@@ -1,4 +1,4 @@
-"""The one place the trainer reads the job environment (``SLURM_*``)."""
+"""The one place the trainer reads the job environment (``SLURM_*``, ``CUDA_VISIBLE_DEVICES``)."""
 
 from __future__ import annotations
 
@@ -16,3 +16,11 @@ def attempt_number() -> int:
     if value < 0:
         raise ValueError(f"SLURM_RESTART_COUNT must be >= 0, got {value}")
     return value
+
+
+def gpu_environment() -> str:
+    """Describe the GPU allocation Slurm gave this job, for error messages (node, visible devices)."""
+    node = os.environ.get("SLURMD_NODENAME")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = f"node {node}; " if node else ""
+    return where + (f"CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else "CUDA_VISIBLE_DEVICES is unset")

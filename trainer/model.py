@@ -1,4 +1,4 @@
-"""Model pieces of the recipe: 4-bit loading, LoRA, the packed-row loss, eval.
+"""Model pieces of the recipe: device, 4-bit loading, LoRA, the packed-row loss, eval.
 
 Torch and the Hugging Face stack are imported inside the functions so that
 ``trainer`` modules stay importable (and fail fast) without them.
@@ -44,6 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainer.errors import GpuUnavailableError
 from trainer.packing import IGNORE, Example, Row, micro_batches, sequence_bounds
 from trainer.spec import Hyperparameters
 
@@ -65,6 +66,46 @@ _PLAIN_HEAD = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3"
 
 
 # ----------------------------------------------------------------- device
+
+
+def pick_device(requested: str, cuda_available: bool, environment: str) -> str:
+    """Return ``"cuda"`` or ``"cpu"`` for the spec's ``device`` (``auto``/``cuda``/``cpu``).
+
+    Raises:
+        GpuUnavailableError: ``requested`` is ``"cuda"`` and CUDA is not available.
+    """
+    if requested == "cpu":
+        return "cpu"
+    if requested == "cuda" and not cuda_available:
+        raise GpuUnavailableError(
+            "this job was given a GPU but CUDA is not usable here (torch.cuda.is_available() is False; "
+            f"{environment}): refusing to train on the CPU; submit the job again, and tell the operators "
+            "if it keeps failing on this node"
+        )
+    return "cuda" if cuda_available else "cpu"
+
+
+def resolve_device(requested: str) -> str:
+    """Return the device to train on; with ``"cuda"``, also check that one allocation works.
+
+    Raises:
+        GpuUnavailableError: ``requested`` is ``"cuda"`` and CUDA is unavailable or fails.
+    """
+    import torch
+
+    from trainer.jobenv import gpu_environment
+
+    device = pick_device(requested, torch.cuda.is_available(), gpu_environment())
+    if requested == "cuda":
+        try:
+            torch.zeros(1, device="cuda")
+        except RuntimeError as e:  # a driver/device error: no dataset text in it
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise GpuUnavailableError(
+                f"this job was given a GPU but CUDA fails here ({first}; {gpu_environment()}): "
+                "refusing to train on the CPU; submit the job again"
+            ) from e
+    return device
 
 
 def attention_implementation(device: str, max_seq_len: int) -> str:

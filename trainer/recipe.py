@@ -1,6 +1,6 @@
 """The QLoRA recipe that runs inside one Slurm job. Read it top to bottom.
 
-``run_job(spec)`` = ``setup`` (verify inputs, tokenize, load
+``run_job(spec)`` = ``setup`` (verify inputs, pick the device, tokenize, load
 the pinned 4-bit base, add LoRA, resume from the newest complete checkpoint)
 -> ``train`` (steps of up to ``batch_size_tokens`` tokens, each run as packed
 micro-batch rows of at most ``max_seq_len`` tokens with gradient accumulation;
@@ -34,7 +34,7 @@ from trainer import checkpoint as ckpt
 from trainer import early_signals, exitcodes
 from trainer.catalog import resolve
 from trainer.data import holdout_split, read_conversations, tokenize_all, verify_sha256
-from trainer.errors import CheckpointError, DatasetError, ModelDigestError, TrainerError
+from trainer.errors import CheckpointError, DatasetError, GpuUnavailableError, ModelDigestError, TrainerError
 from trainer.events import EventLog
 from trainer.model import (
     accumulate_gradients,
@@ -43,6 +43,7 @@ from trainer.model import (
     evaluate,
     load_base_model,
     lr_lambda,
+    resolve_device,
     trainable_state,
 )
 from trainer.packing import Example, Row, micro_batches, plan
@@ -158,12 +159,11 @@ class Recipe:
         _exit_now(exitcodes.CANCELLED)
 
     def _setup(self) -> None:
-        model_path = self.verify_inputs()
+        model_path = self.verify_inputs()  # input errors first: they are permanent, a broken GPU may not be
+        self.device = resolve_device(self.spec.device)  # before tokenizing and loading
         self.stop.check()
         self.events.phase("tokenizing")
         import torch
-
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -422,6 +422,7 @@ def _tuples(value: Any) -> Any:
 _EXIT_FOR: list[tuple[type[TrainerError], int, str]] = [
     (DatasetError, exitcodes.USER_ERROR, "user_error"),
     (ModelDigestError, exitcodes.MODEL_ERROR, "model_error"),
+    (GpuUnavailableError, exitcodes.GPU_UNAVAILABLE, "gpu_unavailable"),
 ]
 
 

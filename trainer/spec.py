@@ -95,7 +95,12 @@ class Hyperparameters(_Strict):
 
 
 class JobSpec(_Strict):
-    """Everything one training job needs; written by the gateway, read by the trainer."""
+    """Everything one training job needs; written by the gateway, read by the trainer.
+
+    ``device``: ``"cuda"`` (the job was given a GPU: fail at once, exit
+    ``GPU_UNAVAILABLE``, if CUDA is not usable rather than train on the CPU),
+    ``"cpu"`` (never use a GPU) or ``"auto"`` (CUDA when available, else CPU).
+    """
 
     version: Literal[1] = 1
     job_id: Annotated[str, Field(pattern=NAME_PATTERN)] | None = None
@@ -107,6 +112,7 @@ class JobSpec(_Strict):
     job_dir: Annotated[str, Field(min_length=1)]
     checkpoint_every_steps: Annotated[int, Field(ge=1, le=10_000_000)] = 100
     keep_checkpoints: Annotated[int, Field(ge=1, le=100)] = 2
+    device: Literal["auto", "cuda", "cpu"] = "auto"
 
 
 def _model_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel] | None:

@@ -15,9 +15,17 @@ from trainer import checkpoint as ckpt
 from trainer import exitcodes
 from trainer.catalog import add, compute_digest, list_models, resolve
 from trainer.data import Conversation, holdout_split, read_conversations
-from trainer.errors import CatalogError, CheckpointError, DatasetError, ModelDigestError, SpecError
+from trainer.errors import (
+    CatalogError,
+    CheckpointError,
+    DatasetError,
+    GpuUnavailableError,
+    ModelDigestError,
+    SpecError,
+)
 from trainer.events import EventLog, read_events
 from trainer.jobenv import attempt_number
+from trainer.model import pick_device
 from trainer.packing import (
     IGNORE,
     Example,
@@ -159,6 +167,16 @@ def test_micro_batches_split_a_step_into_rows_that_concatenate_to_it() -> None:
         micro_batches(step, capacity=5)
 
 
+def test_device_choice_refuses_cpu_when_a_gpu_was_promised() -> None:
+    assert pick_device("auto", False, "-") == "cpu" and pick_device("auto", True, "-") == "cuda"
+    assert pick_device("cpu", True, "-") == "cpu" and pick_device("cuda", True, "-") == "cuda"
+    with pytest.raises(GpuUnavailableError, match=r"is False; CUDA_VISIBLE_DEVICES='1'\): refusing to train"):
+        pick_device("cuda", False, "CUDA_VISIBLE_DEVICES='1'")
+    assert parse_spec(_spec(device="cuda")).device == "cuda" and parse_spec(_spec()).device == "auto"
+    with pytest.raises(SpecError, match="device"):
+        parse_spec(_spec(device="gpu"))
+
+
 def test_mask_runs_and_weights() -> None:
     mask = [0, 1, 1, 0, 0, 1, 0, 1]
     assert mask_runs(mask) == [(1, 3), (5, 6), (7, 8)]
@@ -285,6 +303,7 @@ def test_exit_codes_contract() -> None:
         exitcodes.INTERNAL,
         exitcodes.USER_ERROR,
         exitcodes.MODEL_ERROR,
+        exitcodes.GPU_UNAVAILABLE,
         exitcodes.REQUEUE,
         exitcodes.CANCELLED,
     ]
