@@ -58,6 +58,10 @@ class Settings(BaseSettings):
     job_cpus: int = 2
     job_mem_mb: int = 8192
     signal_grace_s: int = 90
+    # The trainer's device: "auto" trains on CUDA when torch sees it, and refuses the CPU when Slurm
+    # gave the job a GPU on a node with the NVIDIA driver loaded (exit 69, failed as node_fail);
+    # "cuda" refuses the CPU always (a GPU site that wants no doubt); "cpu" never uses a GPU.
+    job_device: Literal["auto", "cuda", "cpu"] = "auto"
     cancel_deadline_s: float = 20.0
     checkpoint_every_steps: int = 50
     submission_grace_s: float = 30.0          # a job with no Slurm id after this is recovered

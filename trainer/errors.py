@@ -30,3 +30,7 @@ class CatalogError(TrainerError):
 
 class CheckpointError(TrainerError):
     """A checkpoint cannot be written or does not belong to this job."""
+
+
+class GpuUnavailableError(TrainerError):
+    """The spec asks for CUDA (``device: "cuda"``) but this node cannot use it."""

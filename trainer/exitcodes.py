@@ -18,6 +18,9 @@ USER_ERROR = 65
 MODEL_ERROR = 78
 """EX_CONFIG: base model missing from the catalog or its digest differs from the spec."""
 
+GPU_UNAVAILABLE = 69
+"""EX_UNAVAILABLE: the spec says ``device: "cuda"`` but CUDA is not usable on this node (refused before loading)."""
+
 REQUEUE = 75
 """EX_TEMPFAIL: SIGUSR1 (time limit near) -> checkpoint written, requeue me."""
 

@@ -1,32 +1,151 @@
-"""Model pieces of the recipe: 4-bit loading, LoRA, the packed-row loss, eval.
+"""Model pieces of the recipe: device, 4-bit loading, LoRA, the packed-row loss, eval.
 
 Torch and the Hugging Face stack are imported inside the functions so that
 ``trainer`` modules stay importable (and fail fast) without them.
+
+Attention over a packed row (examples concatenated, ``position_ids``
+restarting at 0 per example, ``attention_mask=None``, no cache). What
+transformers 5.24 does with that, per implementation (``masking_utils``):
+
+* ``flash_attention_2`` (CUDA with compute capability >= 8.0, when the
+  ``flash_attn`` package imports): ``flash_attention_mask`` returns ``None``
+  and the kernel is ``flash_attn_varlen_func`` over the example boundaries
+  (``cu_seq_lens_*``): no mask exists at all, attention memory is O(T). We pass
+  the boundaries from the row (:func:`row_loss`), computed on the host, so
+  transformers does not re-derive them from ``position_ids`` (a ``nonzero``
+  and a device sync in every layer). fp32 q/k/v (RoPE on the fp32 embeddings
+  PEFT upcast) are cast to the autocast dtype by transformers.
+* ``sdpa`` (CUDA otherwise, and the CPU): ``find_packed_sequence_indices``
+  labels each token with its example and ``sdpa_mask`` builds one dense
+  boolean ``(1, 1, T, T)`` block-diagonal causal mask per forward, shared by
+  all layers; SDPA then picks a kernel that accepts a mask (memory-efficient on
+  CUDA: the T x T scores are not stored). ``T <= max_seq_len`` because rows
+  never exceed it (a larger step is several rows), so the mask costs at most
+  ``max_seq_len**2`` bytes: 4 MiB at 2048, 1 GiB at 32768 (a warning past
+  :data:`DENSE_MASK_LIMIT`: install flash-attn there).
+* ``flex_attention`` (a sparse ``BlockMask``, no dense mask) is not used: its
+  kernel needs ``torch.compile`` (Triton), and under autocast q/k reach it in
+  fp32 (RoPE on the fp32 embeddings) with v in bf16; transformers casts those
+  for flash and autocast does for sdpa, nothing does for flex. Not worth an
+  untested path while rows are bounded by ``max_seq_len``.
+
+On CUDA every forward runs under ``torch.autocast(bfloat16)``; the LoRA
+weights (and what ``prepare_model_for_kbit_training`` upcasts) stay fp32
+masters, the 4-bit layers compute in bf16. Logits exist only at trained
+positions, ``LOGIT_CHUNK`` at a time (:func:`row_loss`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.packing import IGNORE, Example, Row, build_row, pack
+from trainer.errors import GpuUnavailableError
+from trainer.packing import IGNORE, Example, Row, micro_batches, sequence_bounds
 from trainer.spec import Hyperparameters
 
 if TYPE_CHECKING:
     import torch
 
+log = logging.getLogger("trainer")
 
-def load_base_model(path: str | Path) -> Any:
-    """Load a base model in 4-bit NF4 (double quant) on CUDA when present, else CPU.
+LOGIT_CHUNK = 1024
+"""Trained positions whose logits exist at once: peak logits memory is LOGIT_CHUNK x vocab."""
 
-    Applies the bitsandbytes AVX512-BF16 workaround (see ``disable_cpu_repack``).
+DENSE_MASK_LIMIT = 16_384
+"""Past this ``max_seq_len``, sdpa's dense T x T mask (T**2 bytes: 256 MiB here) draws a warning on CUDA."""
+
+# CausalLM forwards that are exactly ``lm_head(decoder(...).last_hidden_state)``
+# (read in transformers 5.24); others (logit soft-capping, scaling, biases) keep
+# the model's own forward with ``logits_to_keep``.
+_PLAIN_HEAD = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma", "olmo2"})
+
+
+# ----------------------------------------------------------------- device
+
+
+def pick_device(requested: str, cuda_available: bool, environment: str, gpu_promised: bool = False) -> str:
+    """Return ``"cuda"`` or ``"cpu"`` for the spec's ``device`` (``auto``/``cuda``/``cpu``).
+
+    ``gpu_promised``: Slurm allocated a GPU on a node with the NVIDIA driver
+    (``jobenv.real_gpu_allocated``); then ``auto`` refuses the CPU too.
+
+    Raises:
+        GpuUnavailableError: ``requested`` is ``"cuda"``, or ``"auto"`` with a
+            GPU promised, and CUDA is not available.
+    """
+    if requested == "cpu":
+        return "cpu"
+    if not cuda_available and (requested == "cuda" or gpu_promised):
+        raise GpuUnavailableError(
+            "this job was given a GPU but CUDA is not usable here (torch.cuda.is_available() is False; "
+            f"{environment}): refusing to train on the CPU; submit the job again, and tell the operators "
+            "if it keeps failing on this node"
+        )
+    return "cuda" if cuda_available else "cpu"
+
+
+def resolve_device(requested: str) -> str:
+    """Return the device to train on; with ``"cuda"``, also check that one allocation works.
+
+    Raises:
+        GpuUnavailableError: ``requested`` is ``"cuda"`` and CUDA is unavailable or fails.
+    """
+    import torch
+
+    from trainer.jobenv import gpu_environment, real_gpu_allocated
+
+    device = pick_device(requested, torch.cuda.is_available(), gpu_environment(), real_gpu_allocated())
+    if device == "cuda":
+        try:
+            torch.zeros(1, device="cuda")
+        except RuntimeError as e:  # a driver/device error: no dataset text in it
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise GpuUnavailableError(
+                f"this job was given a GPU but CUDA fails here ({first}; {gpu_environment()}): "
+                "refusing to train on the CPU; submit the job again"
+            ) from e
+    return device
+
+
+def attention_implementation(device: str, max_seq_len: int) -> str:
+    """Return the ``attn_implementation`` to load with (see the module docstring for each)."""
+    if device != "cuda":
+        return "sdpa"
+    import torch
+    from transformers.utils import is_flash_attn_2_available
+
+    if is_flash_attn_2_available() and torch.cuda.get_device_capability()[0] >= 8:  # FA2 needs Ampere+
+        try:
+            import flash_attn  # noqa: F401 - a wheel built for another torch/CUDA fails here
+        except (ImportError, OSError) as e:
+            log.warning("flash_attn is installed but does not import (%s); using sdpa", type(e).__name__)
+        else:
+            return "flash_attention_2"
+    if max_seq_len > DENSE_MASK_LIMIT:
+        log.warning("no flash-attn: sdpa builds a dense %d x %d mask per row (%d MiB); install flash-attn",
+                    max_seq_len, max_seq_len, max_seq_len**2 >> 20)
+    return "sdpa"
+
+
+# ----------------------------------------------------------------- loading
+
+
+def load_base_model(path: str | Path, device: str | None = None, max_seq_len: int = 2048) -> Any:
+    """Load a base model in 4-bit NF4 (double quant) on ``device`` (default: CUDA when present).
+
+    Chooses the attention implementation (:func:`attention_implementation`) and
+    applies the bitsandbytes AVX512-BF16 workaround (see ``disable_cpu_repack``).
     """
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    cuda = torch.cuda.is_available()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device == "cuda"
     compute = torch.bfloat16 if cuda else torch.float32
     quant = BitsAndBytesConfig(
         load_in_4bit=True,
@@ -34,9 +153,15 @@ def load_base_model(path: str | Path) -> Any:
         bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=compute,
     )
+    attention = attention_implementation(device, max_seq_len)
     model = AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=quant, dtype=compute, device_map={"": 0} if cuda else "cpu"
+        path,
+        quantization_config=quant,
+        dtype=compute,
+        device_map={"": 0} if cuda else "cpu",
+        attn_implementation=attention,
     )
+    log.info("base model on %s, attention %s", device, model.config._attn_implementation)
     disable_cpu_repack(model)
     return model
 
@@ -80,15 +205,79 @@ def add_lora(model: Any, hp: Hyperparameters) -> Any:
     return get_peft_model(model, config)
 
 
-def row_loss(model: Any, row: Row) -> tuple[torch.Tensor, int, int]:
-    """Forward one packed row; return (summed loss, trained tokens, correct argmax).
+def compile_layers(model: Any) -> int:
+    """``torch.compile`` each decoder layer (regional: small graphs, masks stay eager); CUDA only.
 
-    No attention mask and no cache: with per-example ``position_ids`` that makes
-    transformers use a block-diagonal causal mask. Logits are computed only at
-    trained positions (``logits_to_keep``).
+    ``dynamic=True`` because every row has its own length. Returns the number
+    of layers compiled (0 when the decoder has no ``layers`` list).
+    """
+    parts = decoder_and_head(model)
+    layers = getattr(parts[0], "layers", None) if parts else None
+    if layers is None:
+        return 0
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)
+
+
+# ----------------------------------------------------------------- loss
+
+
+def decoder_and_head(model: Any) -> tuple[Any, Any] | None:
+    """Return ``(decoder, lm_head)`` of a (peft-wrapped) causal LM, or None when its
+    logits are not exactly ``lm_head(decoder hidden states)``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(base.config, "model_type", None) not in _PLAIN_HEAD:
+        return None
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else getattr(base, "model", None)
+    head = base.get_output_embeddings()
+    if decoder is None or decoder is base or head is None:
+        return None
+    return decoder, head
+
+
+def _autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    import torch
+
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _flash_kwargs(model: Any, row: Row, device: torch.device) -> dict[str, Any]:
+    """Example boundaries for flash-attention's varlen kernel (empty for other implementations)."""
+    import torch
+
+    if not str(getattr(model.config, "_attn_implementation", "")).startswith("flash_attention"):
+        return {}
+    bounds = sequence_bounds(row.position_ids)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    longest = max(b - a for a, b in zip(bounds, bounds[1:], strict=False))
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+def _head_loss(head: Any, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy and correct-argmax count of one chunk of trained positions."""
+    import torch.nn.functional as F
+
+    logits = head(hidden).float()
+    return F.cross_entropy(logits, targets, reduction="sum"), (logits.detach().argmax(-1) == targets).sum()
+
+
+def row_loss(model: Any, row: Row, chunk: int = LOGIT_CHUNK) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """Forward one packed row; return (summed loss, trained tokens, correct argmax count).
+
+    No attention mask and no cache: per-example ``position_ids`` keep packed
+    examples apart (see the module docstring). The decoder's hidden states are
+    taken at trained positions only; ``lm_head`` + cross-entropy then run
+    ``chunk`` positions at a time, each chunk under activation checkpointing
+    when gradients are on (its logits are recomputed in backward, never kept),
+    so at most ``chunk x vocab`` logits exist. Models outside ``_PLAIN_HEAD``
+    use their own forward with ``logits_to_keep`` (all trained positions' logits).
     """
     import torch
     import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
 
     device = next(p.device for p in model.parameters())
     keep = [i for i, t in enumerate(row.targets) if t != IGNORE]
@@ -96,29 +285,62 @@ def row_loss(model: Any, row: Row) -> tuple[torch.Tensor, int, int]:
     positions = torch.tensor([row.position_ids], device=device)
     keep_t = torch.tensor(keep, device=device)
     targets = torch.tensor([row.targets[i] for i in keep], device=device)
-    out = model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=keep_t)
-    logits = out.logits[0].float()
-    loss = F.cross_entropy(logits, targets, reduction="sum")
-    correct = int((logits.detach().argmax(-1) == targets).sum())
+    flash = _flash_kwargs(model, row, device)
+    parts = decoder_and_head(model)
+    with _autocast(device):
+        if parts is None:
+            out = model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=keep_t, **flash)
+            logits = out.logits[0].float()
+            return F.cross_entropy(logits, targets, reduction="sum"), len(keep), (logits.argmax(-1) == targets).sum()
+        decoder, head = parts
+        hidden = decoder(input_ids=ids, position_ids=positions, use_cache=False, **flash).last_hidden_state[0]
+        kept = hidden.index_select(0, keep_t)
+        loss = kept.new_zeros((), dtype=torch.float32)
+        correct = torch.zeros((), dtype=torch.long, device=device)
+        for start in range(0, len(keep), chunk):
+            piece = (head, kept[start : start + chunk], targets[start : start + chunk])
+            if torch.is_grad_enabled():
+                part, ok = checkpoint(_head_loss, *piece, use_reentrant=False)
+            else:
+                part, ok = _head_loss(*piece)
+            loss, correct = loss + part, correct + ok
     return loss, len(keep), correct
 
 
-def evaluate(
-    model: Any, examples: list[Example], capacity: int, check: Callable[[], None] | None = None
-) -> dict[str, float]:
-    """Token-weighted loss, perplexity and token accuracy over ``examples``."""
+def accumulate_gradients(model: Any, rows: list[Row]) -> tuple[float, int]:
+    """Forward and backward each row (micro-batch) of one optimizer step.
+
+    Each row's summed loss is divided by the trained tokens of the whole step,
+    so the accumulated gradients are those of the step's token-mean loss (one
+    large batch). Returns (that mean loss, trained tokens of the step).
+    """
     import torch
 
-    rows = pack([len(e) for e in examples], list(range(len(examples))), capacity)
+    total = sum(row.n_targets for row in rows)
+    losses = []
+    for row in rows:
+        loss, trained, _ = row_loss(model, row)
+        if trained:
+            (loss / total).backward()
+            losses.append(loss.detach())
+    return float(torch.stack(losses).sum()) / max(total, 1) if losses else 0.0, total
+
+
+def evaluate(
+    model: Any, examples: list[Example], row_tokens: int, check: Callable[[], None] | None = None
+) -> dict[str, float]:
+    """Token-weighted loss, perplexity and token accuracy over ``examples``, packed in rows of ``row_tokens``."""
+    import torch
+
     total, tokens, correct = 0.0, 0, 0
     model.eval()
     try:
         with torch.no_grad():
-            for indices in rows:
+            for row in micro_batches(examples, row_tokens):
                 if check is not None:
                     check()  # lets a signal interrupt a long eval
-                loss, n, ok = row_loss(model, build_row([examples[i] for i in indices]))
-                total, tokens, correct = total + float(loss), tokens + n, correct + ok
+                loss, n, ok = row_loss(model, row)
+                total, tokens, correct = total + float(loss), tokens + n, correct + int(ok)
     finally:
         model.train()
     mean = total / max(tokens, 1)

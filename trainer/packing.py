@@ -1,5 +1,11 @@
 """Padding-free packing and assistant-only loss targets (pure, torch-free).
 
+Two levels: an optimizer *step* takes whole examples up to
+``batch_size_tokens`` tokens (:func:`plan`, the same plan whatever
+``max_seq_len`` is); the step is run as micro-batches, packed *rows* of at most
+``max_seq_len`` tokens each (:func:`micro_batches`), so the attention length
+is bounded by ``max_seq_len`` however large the step is.
+
 A packed row concatenates whole examples; ``position_ids`` restart at 0 for
 each example, which makes transformers build a block-diagonal causal mask
 (with ``attention_mask=None`` and ``use_cache=False``), so packed examples
@@ -29,7 +35,7 @@ class Example:
 
 @dataclass(frozen=True)
 class Row:
-    """One packed row: the model inputs of one optimizer step."""
+    """One packed row: the model inputs of one forward pass (a micro-batch of a step)."""
 
     input_ids: list[int]
     position_ids: list[int]
@@ -80,7 +86,11 @@ def pack(lengths: list[int], order: list[int], capacity: int) -> list[list[int]]
 
 
 def plan(lengths: list[int], capacity: int, seed: int, epochs: int) -> list[list[list[int]]]:
-    """Return, for each epoch, its packed rows (example indices); deterministic."""
+    """Return, for each epoch, its optimizer steps: example indices, at most ``capacity`` tokens each.
+
+    Deterministic in ``(lengths, capacity, seed, epochs)``, so a step index names
+    the same examples after a restart.
+    """
     return [pack(lengths, epoch_order(len(lengths), seed, e), capacity) for e in range(epochs)]
 
 
@@ -94,6 +104,23 @@ def build_row(examples: list[Example]) -> Row:
         positions.extend(range(len(example)))
         targets.extend(targets_for(example))
     return Row(ids, positions, targets)
+
+
+def micro_batches(examples: list[Example], capacity: int) -> list[Row]:
+    """Split one step's examples, in order, into packed rows of at most ``capacity`` tokens.
+
+    The rows' ``input_ids`` (and targets) concatenated equal those of
+    ``build_row(examples)``. Raises:
+        ValueError: an example is longer than ``capacity``.
+    """
+    groups = pack([len(e) for e in examples], list(range(len(examples))), capacity)
+    return [build_row([examples[i] for i in group]) for group in groups]
+
+
+def sequence_bounds(position_ids: list[int]) -> list[int]:
+    """Return the cumulative example boundaries of a row (``[0, ..., len(row)]``, flash-attention's cu_seqlens)."""
+    starts = [i for i, p in enumerate(position_ids) if p == 0]
+    return starts + [len(position_ids)]
 
 
 def mask_runs(mask: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:

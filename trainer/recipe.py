@@ -1,10 +1,12 @@
 """The QLoRA recipe that runs inside one Slurm job. Read it top to bottom.
 
-``run_job(spec)`` = ``setup`` (verify inputs, tokenize, load the pinned 4-bit
-base, add LoRA, resume from the newest complete checkpoint) -> ``train``
-(packed steps, periodic checkpoints and evals, early stopping, signal flags
-checked after every optimizer step) -> ``finalize`` (adapter, eval, metrics,
-manifest into ``attempts/<n>/staging``, ``COMPLETE`` last) -> ``cleanup``.
+``run_job(spec)`` = ``setup`` (verify inputs, pick the device, tokenize, load
+the pinned 4-bit base, add LoRA, resume from the newest complete checkpoint)
+-> ``train`` (steps of up to ``batch_size_tokens`` tokens, each run as packed
+micro-batch rows of at most ``max_seq_len`` tokens with gradient accumulation;
+periodic checkpoints and evals, early stopping, signal flags checked after
+every optimizer step) -> ``finalize`` (adapter, eval, metrics, manifest into
+``attempts/<n>/staging``, ``COMPLETE`` last) -> ``cleanup``.
 
 Early stopping (``early_stopping_patience``) tracks the best periodic ("step")
 eval and keeps that adapter (in memory and as ``best.safetensors`` in every
@@ -38,10 +40,19 @@ from trainer import checkpoint as ckpt
 from trainer import early_signals, exitcodes
 from trainer.catalog import resolve
 from trainer.data import holdout_split, read_conversations, tokenize_all, verify_sha256
-from trainer.errors import CheckpointError, DatasetError, ModelDigestError, TrainerError
+from trainer.errors import CheckpointError, DatasetError, GpuUnavailableError, ModelDigestError, TrainerError
 from trainer.events import EventLog
-from trainer.model import add_lora, evaluate, load_base_model, lr_lambda, row_loss, trainable_state
-from trainer.packing import Example, Row, build_row, plan
+from trainer.model import (
+    accumulate_gradients,
+    add_lora,
+    compile_layers,
+    evaluate,
+    load_base_model,
+    lr_lambda,
+    resolve_device,
+    trainable_state,
+)
+from trainer.packing import Example, Row, micro_batches, plan
 from trainer.spec import JobSpec, spec_hash
 
 log = logging.getLogger("trainer")
@@ -165,7 +176,8 @@ class Recipe:
         _exit_now(exitcodes.CANCELLED)
 
     def _setup(self) -> None:
-        model_path = self.verify_inputs()
+        model_path = self.verify_inputs()  # input errors first: they are permanent, a broken GPU may not be
+        self.device = resolve_device(self.spec.device)  # before tokenizing and loading
         self.stop.check()
         self.events.phase("tokenizing")
         import torch
@@ -174,21 +186,25 @@ class Recipe:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.train_examples, self.val_examples = self._load_examples()
         self.stop.check()
-        self.rows = [
-            (epoch, row)
-            for epoch, rows in enumerate(
+        self.steps = [
+            (epoch, step)
+            for epoch, steps in enumerate(
                 plan([len(e) for e in self.train_examples], self.hp.batch_size_tokens, self.hp.seed, self.hp.epochs)
             )
-            for row in rows
+            for step in steps
         ]
-        self.total_steps = min(len(self.rows), self.hp.max_steps or len(self.rows))
+        self.total_steps = min(len(self.steps), self.hp.max_steps or len(self.steps))
         log.info(
             "tokenized %d train / %d validation examples, %d steps",
             len(self.train_examples),
             len(self.val_examples),
             self.total_steps,
         )
-        self.model = add_lora(load_base_model(model_path), self.hp)
+        self.model = add_lora(load_base_model(model_path, self.device, self.hp.max_seq_len), self.hp)
+        if self.hp.torch_compile and self.device == "cuda":
+            log.info("torch.compile: %d decoder layers", compile_layers(self.model))
+        elif self.hp.torch_compile:
+            log.info("torch_compile ignored on the CPU")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=self.hp.learning_rate, weight_decay=0.0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -260,7 +276,7 @@ class Recipe:
 
     def train(self) -> None:
         """Run the optimizer steps left; checkpoint, eval, stop early and honour signals."""
-        progress = self.progress
+        progress, hp = self.progress, self.hp
         if progress.step == 0 and not progress.evals:
             self._eval("before")
         self.events.phase("training")
@@ -268,11 +284,12 @@ class Recipe:
         started = time.monotonic() - progress.elapsed_s
         self._step_eval()  # one a signal interrupted before this resume
         while progress.step < self.total_steps and not progress.stopped_early:
-            epoch, indices = self.rows[progress.step]
-            row = build_row([self.train_examples[i] for i in indices])
+            epoch, indices = self.steps[progress.step]
+            rows = micro_batches([self.train_examples[i] for i in indices], hp.max_seq_len)
+            tokens = sum(len(row.input_ids) for row in rows)
             t0 = time.monotonic()
             lr = self.scheduler.get_last_lr()[0]
-            loss, trained = self.optimizer_step(row)
+            loss, trained = self.optimizer_step(rows)
             progress.step += 1
             dt = time.monotonic() - t0
             progress.elapsed_s = time.monotonic() - started
@@ -281,9 +298,9 @@ class Recipe:
                 "epoch": epoch,
                 "loss": loss,
                 "lr": lr,
-                "tokens": len(row.input_ids),
+                "tokens": tokens,
                 "trained_tokens": trained,
-                "tokens_per_s": len(row.input_ids) / dt if dt > 0 else None,
+                "tokens_per_s": tokens / dt if dt > 0 else None,
                 "elapsed_s": round(progress.elapsed_s, 4),
             }
             progress.metrics.append(metric)
@@ -294,18 +311,16 @@ class Recipe:
             if progress.step % self.spec.checkpoint_every_steps == 0:
                 self.save_checkpoint()
 
-    def optimizer_step(self, row: Row) -> tuple[float, int]:
-        """One step on one packed row: mean loss over its trained tokens; returns (loss, tokens)."""
+    def optimizer_step(self, rows: list[Row]) -> tuple[float, int]:
+        """One step over its micro-batch rows (gradients accumulated); returns (token-mean loss, trained tokens)."""
         import torch
 
-        loss_sum, trained, _ = row_loss(self.model, row)
-        loss = loss_sum / max(trained, 1)
-        loss.backward()
+        loss, trained = accumulate_gradients(self.model, rows)
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach()), trained
+        return loss, trained
 
     def _step_eval(self) -> None:
         """Run the periodic eval due at this step, once, and feed it to early stopping.
@@ -356,7 +371,7 @@ class Recipe:
         """Evaluate the model now; ``step`` is the step its weights come from (default: now)."""
         self.events.phase("evaluating")
         result = {"when": when, "step": self.progress.step if step is None else step}
-        result.update(evaluate(self.model, self.val_examples, self.hp.batch_size_tokens, self.stop.check))
+        result.update(evaluate(self.model, self.val_examples, self.hp.max_seq_len, self.stop.check))
         self.progress.evals.append(result)
         self.events.emit("eval", **result)
         log.info("eval %s step %d: loss %.4f", when, result["step"], result["loss"])
@@ -515,6 +530,7 @@ def _tuples(value: Any) -> Any:
 _EXIT_FOR: list[tuple[type[TrainerError], int, str]] = [
     (DatasetError, exitcodes.USER_ERROR, "user_error"),
     (ModelDigestError, exitcodes.MODEL_ERROR, "model_error"),
+    (GpuUnavailableError, exitcodes.GPU_UNAVAILABLE, "gpu_unavailable"),
 ]
 
 

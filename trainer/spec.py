@@ -49,7 +49,16 @@ class DatasetRef(_Strict):
 
 
 class Hyperparameters(_Strict):
-    """Training hyperparameters. One optimizer step = one packed row.
+    """Training hyperparameters.
+
+    One optimizer step = whole examples totalling at most ``batch_size_tokens``
+    tokens, run as micro-batches (padding-free packed rows of at most
+    ``max_seq_len`` tokens) whose gradients are accumulated; the step's loss is
+    the mean over all its trained tokens, as if it were one large batch.
+    ``max_seq_len`` bounds the attention length (and so its memory);
+    ``batch_size_tokens`` only sets how many tokens one update sees.
+    ``torch_compile`` compiles the decoder layers with ``torch.compile`` on CUDA
+    (ignored on the CPU).
 
     Warm-up: ``warmup_steps``, or ``warmup_ratio`` of the total steps (rounded
     up); not both. Early stopping: after ``early_stopping_patience`` periodic
@@ -74,6 +83,7 @@ class Hyperparameters(_Strict):
     gradient_checkpointing: bool = True
     early_stopping_patience: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
     early_stopping_min_delta: Annotated[float, Field(ge=0.0, le=100.0)] = 0.0
+    torch_compile: bool = False
 
     @field_validator("target_modules")
     @classmethod
@@ -89,7 +99,7 @@ class Hyperparameters(_Strict):
         if self.max_seq_len > self.batch_size_tokens:
             raise ValueError(
                 f"max_seq_len ({self.max_seq_len}) must be <= batch_size_tokens "
-                f"({self.batch_size_tokens}): one example must fit in one packed row"
+                f"({self.batch_size_tokens}): one example must fit in one optimizer step"
             )
         return self
 
@@ -125,7 +135,12 @@ class Hyperparameters(_Strict):
 
 
 class JobSpec(_Strict):
-    """Everything one training job needs; written by the gateway, read by the trainer."""
+    """Everything one training job needs; written by the gateway, read by the trainer.
+
+    ``device``: ``"cuda"`` (the job was given a GPU: fail at once, exit
+    ``GPU_UNAVAILABLE``, if CUDA is not usable rather than train on the CPU),
+    ``"cpu"`` (never use a GPU) or ``"auto"`` (CUDA when available, else CPU).
+    """
 
     version: Literal[1] = 1
     job_id: Annotated[str, Field(pattern=NAME_PATTERN)] | None = None
@@ -137,6 +152,7 @@ class JobSpec(_Strict):
     job_dir: Annotated[str, Field(min_length=1)]
     checkpoint_every_steps: Annotated[int, Field(ge=1, le=10_000_000)] = 100
     keep_checkpoints: Annotated[int, Field(ge=1, le=100)] = 2
+    device: Literal["auto", "cuda", "cpu"] = "auto"
 
 
 def _model_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel] | None:
@@ -241,7 +257,8 @@ def load_spec(path: str | Path) -> JobSpec:
     return parse_spec(data)
 
 
-_ADDED_HYPERPARAMETERS = ("warmup_ratio", "early_stopping_patience", "early_stopping_min_delta")
+_ADDED_HYPERPARAMETERS = ("warmup_ratio", "early_stopping_patience", "early_stopping_min_delta", "torch_compile")
+_ADDED_FIELDS = ("device",)
 """Fields added after version 1 shipped: left out of the canonical JSON while at their default,
 so a spec that does not use them keeps its hash (and an in-flight job its checkpoints) across
 an upgrade."""
@@ -249,12 +266,15 @@ an upgrade."""
 
 def spec_to_json(spec: JobSpec) -> str:
     """Return the canonical JSON text of ``spec`` for hashing (sorted keys, defaults included
-    except those of ``_ADDED_HYPERPARAMETERS``)."""
+    except those of ``_ADDED_HYPERPARAMETERS`` and ``_ADDED_FIELDS``)."""
     data = spec.model_dump(mode="json")
     fields = Hyperparameters.model_fields
     for name in _ADDED_HYPERPARAMETERS:
         if data["hyperparameters"][name] == fields[name].default:
             del data["hyperparameters"][name]
+    for name in _ADDED_FIELDS:
+        if data[name] == JobSpec.model_fields[name].default:
+            del data[name]
     return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
 

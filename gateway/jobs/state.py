@@ -119,6 +119,8 @@ class SlurmView:
 # trainer exit codes (trainer/exitcodes.py) → failure reasons
 _EXIT_REASONS = {65: (FailReason.USER_ERROR, "the dataset or job spec was rejected by the trainer"),
                  78: (FailReason.USER_ERROR, "the base model is missing or does not match its digest"),
+                 69: (FailReason.NODE_FAIL, "the node's GPU is not usable (CUDA unavailable): nothing was "
+                                            "trained; submit the job again"),
                  143: (FailReason.INTERNAL, "the trainer was stopped by a signal")}
 
 class SlurmState(StrEnum):

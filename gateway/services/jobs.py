@@ -314,6 +314,7 @@ def job_spec(settings: Settings, tenant: str, job: FineTuningJob, train: DataFil
         "job_dir": job_dir(settings, tenant, job.id),
         "checkpoint_every_steps": top.get("checkpoint_every_steps", settings.checkpoint_every_steps),
         **({"keep_checkpoints": top["keep_checkpoints"]} if "keep_checkpoints" in top else {}),
+        **({"device": settings.job_device} if settings.job_device != "auto" else {}),
     }
     try:
         parse_spec(spec)

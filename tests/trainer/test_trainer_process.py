@@ -250,6 +250,29 @@ def test_bad_inputs_fail_fast_before_training(
         assert seconds < 15  # refused before loading torch or the model
 
 
+def test_cuda_promised_but_unusable_fails_fast_before_loading(tiny: Tiny, toy: ToyData, tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is usable here: nothing to refuse")
+    job_dir = tmp_path / "job"
+    spec = make_spec(tiny, toy, job_dir)
+    spec["device"] = "cuda"
+    log = tmp_path / "trainer.log"
+    t0 = time.monotonic()
+    rc = run_trainer(write_spec(spec, tmp_path / "spec.json"), log, env={"CUDA_VISIBLE_DEVICES": "0"})
+    seconds = time.monotonic() - t0
+    print(f"\ndevice=cuda without CUDA: exit {rc} in {seconds:.1f} s: {log.read_text().strip().splitlines()[-1]}")
+    assert rc == exitcodes.GPU_UNAVAILABLE == 69
+    assert "this job was given a GPU but CUDA is not usable here (torch.cuda.is_available() is False; " \
+           "CUDA_VISIBLE_DEVICES='0'): refusing to train on the CPU" in log.read_text()
+    failed = [e for e in events(job_dir) if e["type"] == "failed"]
+    assert [(e["reason"], e["error"]) for e in failed] == [("gpu_unavailable", "GpuUnavailableError")]
+    assert "refusing to train on the CPU" in failed[0]["message"]
+    assert not [e for e in events(job_dir) if e["type"] == "phase"]  # not even tokenizing
+    assert seconds < 30
+
+
 def test_rerunning_a_complete_attempt_changes_nothing(reference: Reference, tmp_path: Path) -> None:
     staging = reference.staging
     before = {p.name: p.stat().st_mtime_ns for p in staging.iterdir()}

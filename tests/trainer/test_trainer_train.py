@@ -95,7 +95,7 @@ def test_saved_adapter_reproduces_final_eval(reference: Reference, tiny: Tiny, t
     base = load_base_model(tiny.path)
     model = PeftModel.from_pretrained(base, reference.staging)
     disable_cpu_repack(model)
-    result = evaluate(model, _val_examples(reference.staging, toy), 384)
+    result = evaluate(model, _val_examples(reference.staging, toy), reference.spec["hyperparameters"]["max_seq_len"])
     expected = json.loads((reference.staging / "eval.json").read_text())["after"]
     print(f"\nreloaded adapter eval loss {result['loss']:.6f} vs recorded {expected['loss']:.6f}")
     assert result["tokens"] == expected["tokens"]

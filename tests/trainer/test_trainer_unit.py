@@ -15,10 +15,29 @@ from trainer import checkpoint as ckpt
 from trainer import exitcodes
 from trainer.catalog import add, compute_digest, list_models, resolve
 from trainer.data import Conversation, holdout_split, read_conversations
-from trainer.errors import CatalogError, CheckpointError, DatasetError, ModelDigestError, SpecError
+from trainer.errors import (
+    CatalogError,
+    CheckpointError,
+    DatasetError,
+    GpuUnavailableError,
+    ModelDigestError,
+    SpecError,
+)
 from trainer.events import EventLog, read_events
-from trainer.jobenv import attempt_number
-from trainer.packing import IGNORE, Example, build_row, epoch_order, mask_from_spans, mask_runs, pack, plan
+from trainer.jobenv import attempt_number, real_gpu_allocated
+from trainer.model import pick_device
+from trainer.packing import (
+    IGNORE,
+    Example,
+    build_row,
+    epoch_order,
+    mask_from_spans,
+    mask_runs,
+    micro_batches,
+    pack,
+    plan,
+    sequence_bounds,
+)
 from trainer.spec import JobSpec, load_spec, parse_spec, spec_hash
 
 pytestmark = pytest.mark.unit
@@ -132,6 +151,50 @@ def test_row_positions_reset_and_targets_stay_inside_examples() -> None:
     # token 12 (last of a) must never learn to predict 20 (first of b)
     assert row.targets == [11, 12, IGNORE, IGNORE, 22, 23, IGNORE]
     assert row.n_targets == 4
+
+
+def test_micro_batches_split_a_step_into_rows_that_concatenate_to_it() -> None:
+    step = [_ex(list(range(10 * i, 10 * i + n)), [0] + [1] * (n - 1), i) for i, n in enumerate([5, 3, 6, 2, 4])]
+    rows = micro_batches(step, capacity=8)
+    assert [len(r.input_ids) for r in rows] == [8, 8, 4]
+    whole = build_row(step)
+    assert [t for r in rows for t in r.input_ids] == whole.input_ids
+    assert [t for r in rows for t in r.targets] == whole.targets
+    assert [p for r in rows for p in r.position_ids] == whole.position_ids
+    assert sequence_bounds(rows[0].position_ids) == [0, 5, 8]
+    assert sequence_bounds(whole.position_ids) == [0, 5, 8, 14, 16, 20]
+    with pytest.raises(ValueError):
+        micro_batches(step, capacity=5)
+
+
+def test_device_choice_refuses_cpu_when_a_gpu_was_promised() -> None:
+    assert pick_device("auto", False, "-") == "cpu" and pick_device("auto", True, "-") == "cuda"
+    assert pick_device("cpu", True, "-") == "cpu" and pick_device("cuda", True, "-") == "cuda"
+    with pytest.raises(GpuUnavailableError, match=r"is False; CUDA_VISIBLE_DEVICES='1'\): refusing to train"):
+        pick_device("cuda", False, "CUDA_VISIBLE_DEVICES='1'")
+    assert parse_spec(_spec(device="cuda")).device == "cuda" and parse_spec(_spec()).device == "auto"
+    with pytest.raises(SpecError, match="device"):
+        parse_spec(_spec(device="gpu"))
+
+
+def test_auto_refuses_the_cpu_when_slurm_gave_a_real_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # "auto" on a node whose NVIDIA driver is loaded and where Slurm allocated a GPU: CUDA missing is
+    # a broken node or a CPU-only torch, never a reason to train on the CPU; the dev cluster's fake
+    # GPUs (device nodes, no driver) keep auto's CPU fallback
+    with pytest.raises(GpuUnavailableError, match="refusing to train on the CPU"):
+        pick_device("auto", False, "-", gpu_promised=True)
+    assert pick_device("auto", True, "-", gpu_promised=True) == "cuda"
+    assert pick_device("cpu", False, "-", gpu_promised=True) == "cpu"
+    driver = tmp_path / "version"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert not real_gpu_allocated(driver)                   # no driver: a fake GPU
+    driver.write_text("NVRM version: 550\n")
+    assert real_gpu_allocated(driver)
+    for unset in ("", "-1", "NoDevFiles"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", unset)
+        assert not real_gpu_allocated(driver)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert not real_gpu_allocated(driver)
 
 
 def test_mask_runs_and_weights() -> None:
@@ -260,6 +323,7 @@ def test_exit_codes_contract() -> None:
         exitcodes.INTERNAL,
         exitcodes.USER_ERROR,
         exitcodes.MODEL_ERROR,
+        exitcodes.GPU_UNAVAILABLE,
         exitcodes.REQUEUE,
         exitcodes.CANCELLED,
     ]

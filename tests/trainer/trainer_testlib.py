@@ -66,29 +66,34 @@ def write_spec(spec: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def trainer_env(attempt: int | None = None) -> dict[str, str]:
+def trainer_env(attempt: int | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"})
     if attempt is not None:
         env["SLURM_RESTART_COUNT"] = str(attempt)
+    env.update(extra or {})
     return env
 
 
-def start_trainer(spec_path: Path, log: Path, attempt: int | None = None) -> subprocess.Popen[bytes]:
-    """Start ``python -m trainer run`` as a real process, output to ``log``."""
+def start_trainer(
+    spec_path: Path, log: Path, attempt: int | None = None, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start ``python -m trainer run`` as a real process, output to ``log``; ``env`` adds variables."""
     out = open(log, "ab")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(
         [sys.executable, "-m", "trainer", "run", str(spec_path)],
         cwd=REPO,
-        env=trainer_env(attempt),
+        env=trainer_env(attempt, env),
         stdout=out,
         stderr=subprocess.STDOUT,
     )
 
 
-def run_trainer(spec_path: Path, log: Path, attempt: int | None = None, timeout: float = 300) -> int:
+def run_trainer(
+    spec_path: Path, log: Path, attempt: int | None = None, timeout: float = 300, env: dict[str, str] | None = None
+) -> int:
     """Run the trainer to its end; return its exit code."""
-    proc = start_trainer(spec_path, log, attempt)
+    proc = start_trainer(spec_path, log, attempt, env)
     return proc.wait(timeout=timeout)
 
 

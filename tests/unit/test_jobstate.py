@@ -90,6 +90,7 @@ def test_a_cancelled_job_can_never_succeed() -> None:
     ("CANCELLED by 0", None, True, E.STOPPED, FailReason.INTERNAL),
     ("FAILED", 65, True, E.ERROR, FailReason.USER_ERROR),
     ("FAILED", 78, True, E.ERROR, FailReason.USER_ERROR),
+    ("FAILED", 69, True, E.ERROR, FailReason.NODE_FAIL),      # a GPU was promised, CUDA not usable
     ("FAILED", 1, True, E.ERROR, FailReason.INTERNAL),
     ("SOMETHING_NEW", None, True, None, None),
 ])

@@ -1,0 +1,49 @@
+"""The trainer spec the gateway writes: the site's device setting, and native hyperparameters passed on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.config import Settings
+from gateway.errors import ServiceError
+from gateway.models import DataFile, FineTuningJob
+from gateway.services.jobs import build_hyperparameters, job_spec
+from trainer.catalog import CatalogEntry
+from trainer.spec import parse_spec, spec_hash
+
+SHA = "a" * 64
+ENTRY = CatalogEntry("tiny-chat", "sha256:" + "b" * 64, "tiny-chat/x", "2026-12-01T00:00:00+00:00", 1)
+
+
+def _spec(tmp_path: Path, hp: dict[str, object] | None = None, **settings: object) -> dict[str, object]:
+    s = Settings(storage_root=tmp_path, database_url="sqlite://", **settings)
+    train = DataFile(id="file-1", tenant_id=1, filename="t.jsonl", bytes=10, sha256=SHA)
+    job = FineTuningJob(id="ftjob-" + "c" * 24, tenant_id=1, training_file="file-1", model="tiny-chat",
+                        hyperparameters=build_hyperparameters(hp or {}))
+    return job_spec(s, "acme", job, train, None, ENTRY)
+
+
+def test_default_device_leaves_the_spec_and_its_hash_as_before(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    assert "device" not in spec and parse_spec(spec).device == "auto"
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_the_site_device_reaches_the_trainer(tmp_path: Path, device: str) -> None:
+    spec = _spec(tmp_path, job_device=device)
+    assert spec["device"] == device and parse_spec(spec).device == device
+    assert spec_hash(parse_spec(spec)) != spec_hash(parse_spec(_spec(tmp_path)))
+
+
+def test_early_stopping_and_warmup_ratio_pass_through(tmp_path: Path) -> None:
+    hp = {"n_epochs": 2, "eval_every_steps": 5, "early_stopping_patience": 2, "warmup_ratio": 0.1}
+    parsed = parse_spec(_spec(tmp_path, hp)).hyperparameters
+    assert (parsed.early_stopping_patience, parsed.warmup_ratio, parsed.epochs) == (2, 0.1, 2)
+
+
+def test_early_stopping_without_evals_is_a_clear_400(tmp_path: Path) -> None:
+    with pytest.raises(ServiceError, match="early_stopping_patience .* needs eval_every_steps") as e:
+        _spec(tmp_path, {"early_stopping_patience": 2})
+    assert e.value.status == 400 and e.value.param == "hyperparameters"
