@@ -95,13 +95,17 @@ def register(built: Path, name: str, workdir: Path) -> dict[str, str]:
     return {"root": str(root), "name": name, "digest": entry.digest, "model": str(root / entry.path)}
 
 
-def prepare(workdir: Path, examples: int) -> dict[str, Any]:
-    """Build the tiny model, register it, write train/validation JSONL; return the job fields."""
-    from trainer.catalog import make_tiny
+def prepare(workdir: Path, examples: int, model: str = "tiny") -> dict[str, Any]:
+    """Build the model (``tiny``: the random tiny Llama; ``smollm2``: SmolLM2-135M-Instruct from
+    its PyPI wheel), register it, write train/validation JSONL; return the job fields."""
+    from trainer.catalog import import_smollm2, make_tiny
     from trainer.toydata import toy_conversations
 
     job: dict[str, Any] = {"workdir": str(workdir)}
-    job.update(register(make_tiny(workdir / "tiny"), "tiny", workdir))
+    if model == "smollm2":
+        job.update(register(import_smollm2(workdir / "smollm2"), "smollm2", workdir))
+    else:
+        job.update(register(make_tiny(workdir / "tiny"), "tiny", workdir))
     job.update(write_data(workdir, toy_conversations(examples, seed=11), toy_conversations(24, seed=12)))
     return job
 
@@ -418,6 +422,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny",
+                        help="tiny random Llama (vocab 1,392), or SmolLM2-135M-Instruct (vocab 49,152) from its wheel")
     parser.add_argument("--step-tokens", type=int, default=0, help="tokens per optimizer step (0: 8 x mean length)")
     parser.add_argument("--also-trl-defaults", action="store_true",
                         help="also run TRL with its defaults (padded, bf16 autocast on CPU), labelled handicapped")
@@ -427,17 +433,18 @@ def main() -> None:
 
     cuda = torch.cuda.is_available()
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
-        job = prepare(Path(tmp), args.examples)
+        job = prepare(Path(tmp), args.examples, args.model)
         job.update(epochs=args.epochs, threads=args.threads)
         job["step_tokens"] = args.step_tokens or max(16, math.ceil(8 * mean_length(job)))
-        print(f"tiny model, {args.examples} examples x {args.epochs} epochs, threads={args.threads}, "
+        print(f"{args.model} model, {args.examples} examples x {args.epochs} epochs, threads={args.threads}, "
               f"{args.repeats} alternating repeats, {job['step_tokens']} tokens per optimizer step for both, "
               f"{'CUDA' if cuda else 'CPU'}")
         print(describe_ours(cuda, job["step_tokens"]))
         print(describe_peer(cuda, job["step_tokens"], job), flush=True)
         results = alternate(job, args.repeats, args.also_trl_defaults)
     summary = report(job, results)
-    config = {"examples": args.examples, "epochs": args.epochs, "threads": args.threads, "repeats": args.repeats,
+    config = {"model": args.model, "examples": args.examples, "epochs": args.epochs, "threads": args.threads,
+              "repeats": args.repeats,
               "step_tokens": job["step_tokens"], "device": "cuda" if cuda else "cpu",
               "peer": {**trl_best_config(cuda, job["step_tokens"]), **shared_config(job),
                        "attn_implementation": attention_for_trl(cuda)}}

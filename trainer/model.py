@@ -256,12 +256,21 @@ def _flash_kwargs(model: Any, row: Row, device: torch.device) -> dict[str, Any]:
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
-def _head_loss(head: Any, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed cross-entropy and correct-argmax count of one chunk of trained positions."""
+def _head_loss(
+    head: Any, hidden: torch.Tensor, targets: torch.Tensor, count_correct: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy and correct-argmax count of one chunk of trained positions.
+
+    ``count_correct=False`` (training) skips the argmax over the vocabulary and counts 0.
+    """
+    import torch
     import torch.nn.functional as F
 
     logits = head(hidden).float()
-    return F.cross_entropy(logits, targets, reduction="sum"), (logits.detach().argmax(-1) == targets).sum()
+    loss = F.cross_entropy(logits, targets, reduction="sum")
+    if not count_correct:
+        return loss, torch.zeros((), dtype=torch.long, device=logits.device)
+    return loss, (logits.detach().argmax(-1) == targets).sum()
 
 
 def row_loss(model: Any, row: Row, chunk: int = LOGIT_CHUNK) -> tuple[torch.Tensor, int, torch.Tensor]:
@@ -270,10 +279,13 @@ def row_loss(model: Any, row: Row, chunk: int = LOGIT_CHUNK) -> tuple[torch.Tens
     No attention mask and no cache: per-example ``position_ids`` keep packed
     examples apart (see the module docstring). The decoder's hidden states are
     taken at trained positions only; ``lm_head`` + cross-entropy then run
-    ``chunk`` positions at a time, each chunk under activation checkpointing
-    when gradients are on (its logits are recomputed in backward, never kept),
-    so at most ``chunk x vocab`` logits exist. Models outside ``_PLAIN_HEAD``
-    use their own forward with ``logits_to_keep`` (all trained positions' logits).
+    ``chunk`` positions at a time. With gradients on and more than one chunk,
+    each chunk runs under activation checkpointing (its logits are recomputed
+    in backward, never kept), so at most ``chunk x vocab`` logits exist; a
+    single chunk is not recomputed (keeping it costs the same peak as
+    recomputing it). With gradients on, the correct-argmax count is 0 (it
+    serves evals only). Models outside ``_PLAIN_HEAD`` use their own forward
+    with ``logits_to_keep`` (all trained positions' logits).
     """
     import torch
     import torch.nn.functional as F
@@ -297,9 +309,11 @@ def row_loss(model: Any, row: Row, chunk: int = LOGIT_CHUNK) -> tuple[torch.Tens
         kept = hidden.index_select(0, keep_t)
         loss = kept.new_zeros((), dtype=torch.float32)
         correct = torch.zeros((), dtype=torch.long, device=device)
+        training = torch.is_grad_enabled()
+        recompute = training and len(keep) > chunk
         for start in range(0, len(keep), chunk):
-            piece = (head, kept[start : start + chunk], targets[start : start + chunk])
-            if torch.is_grad_enabled():
+            piece = (head, kept[start : start + chunk], targets[start : start + chunk], not training)
+            if recompute:
                 part, ok = checkpoint(_head_loss, *piece, use_reentrant=False)
             else:
                 part, ok = _head_loss(*piece)

@@ -122,9 +122,14 @@ def test_chunked_logits_equal_full_logits(lora_model: Any, examples: list[Any]) 
     assert decoder_and_head(lora_model) is not None  # the tiny Llama takes the chunked path
     row = build_row(examples[:6])
     lora_model.zero_grad(set_to_none=True)
-    chunked, n, correct = row_loss(lora_model, row, chunk=7)
+    chunked, n, _ = row_loss(lora_model, row, chunk=7)           # several chunks: recomputed in backward
     (chunked / n).backward()
     chunked_grads = _grads(lora_model)
+    lora_model.zero_grad(set_to_none=True)
+    single, _, _ = row_loss(lora_model, row, chunk=10_000)        # one chunk: kept, not recomputed
+    (single / n).backward()
+    single_grads = _grads(lora_model)
+    lora_model.zero_grad(set_to_none=True)
     keep = [i for i, t in enumerate(row.targets) if t != IGNORE]
     targets = torch.tensor([row.targets[i] for i in keep])
     out = lora_model(input_ids=torch.tensor([row.input_ids]), position_ids=torch.tensor([row.position_ids]),
@@ -132,7 +137,11 @@ def test_chunked_logits_equal_full_logits(lora_model: Any, examples: list[Any]) 
     logits = out.logits[0, keep].float()  # every position's logits, then the trained ones
     full = F.cross_entropy(logits, targets, reduction="sum")
     (full / n).backward()
-    worst = _assert_same_grads(chunked_grads, _grads(lora_model), rtol=1e-5)
+    full_grads = _grads(lora_model)
+    worst = _assert_same_grads(chunked_grads, full_grads, rtol=1e-5)
+    _assert_same_grads(single_grads, full_grads, rtol=1e-5)
+    with torch.no_grad():                                          # evals count correct argmaxes
+        _, _, correct = row_loss(lora_model, row, chunk=7)
     chunked_sum, full_sum = float(chunked.detach()), float(full.detach())
     print(f"\n{n} trained positions in chunks of 7: loss {chunked_sum:.6f} vs {full_sum:.6f}, "
           f"worst gradient difference {worst:.2g}")
