@@ -41,6 +41,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import trainer as bt  # noqa: E402
+from scrubber import canary  # noqa: E402
 
 # Dense bf16 tensor-core peaks (datasheets), the first name contained in the device name wins.
 PEAK_BF16: list[tuple[str, float]] = [
@@ -205,49 +206,6 @@ def throughput(job: dict[str, Any], name: str, run: Runner, repeats: int, flops:
 
 # ----------------------------------------------------------------- 3. the wipe
 
-FILL_A = """
-    import sys, time, torch
-    from scrubber.gpu import fill
-    marker = int(sys.argv[1], 16) - (1 << 63)  # as a signed int64
-    chunks = fill(torch, 0, 0)
-    g = torch.Generator(device="cuda").manual_seed(7)
-    filled = 0
-    for t in chunks:
-        words = t.view(torch.int64)
-        words.random_(generator=g)  # high entropy: nothing compressible, no run of zeros
-        words[::512] = marker
-        filled += t.numel()
-    torch.cuda.synchronize()
-    print(filled, torch.cuda.get_device_properties(0).total_memory, flush=True)
-    time.sleep(600)
-"""
-
-SCAN_B = """
-    import sys, torch
-    marker = int(sys.argv[1], 16) - (1 << 63)
-    chunks, size = [], 1 << 30
-    while size >= 2 << 20:  # uninitialised: whatever the previous owner left
-        try:
-            chunks.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
-        except torch.cuda.OutOfMemoryError:
-            size //= 2
-    hits = scanned = spare = 0
-    while chunks and spare < (256 << 20):  # the smallest chunks, checked on the host, make room
-        t = chunks.pop()
-        hits += int((t.cpu().view(torch.int64) == marker).sum())
-        scanned += t.numel()
-        spare += t.numel()
-        del t
-    torch.cuda.empty_cache()
-    step = 8 << 20  # int64 words per comparison
-    for t in chunks:
-        w = t.view(torch.int64)
-        for i in range(0, w.numel(), step):
-            hits += int((w[i:i + step] == marker).sum())
-        scanned += t.numel()
-    print(hits, scanned, flush=True)
-"""
-
 WIPE = """
     import json, torch
     from scrubber import checks, gpu
@@ -259,7 +217,7 @@ WIPE = """
                       "nonzero_chunks": r.nonzero_chunks}), flush=True)
 """
 
-CHILD_SCRIPTS = {"fill": FILL_A, "scan": SCAN_B, "wipe": WIPE}
+CHILD_SCRIPTS = {"fill": canary.FILL, "scan": canary.SCAN, "wipe": WIPE}
 
 
 def _python(script: str, *args: str) -> list[str]:

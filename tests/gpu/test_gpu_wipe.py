@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from scrubber import canary
+
 pytestmark = pytest.mark.gpu
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,51 +56,6 @@ def gpu() -> int:
         pytest.skip(f"gpu tier skipped: {problem}")
     return GPU_INDEX
 
-
-FILL_A = """
-    import sys, time, torch
-    from scrubber.gpu import fill
-    marker = int(sys.argv[1], 16) - (1 << 63)  # as a signed int64
-    chunks = fill(torch, 0, 0)
-    g = torch.Generator(device="cuda").manual_seed(7)
-    filled = 0
-    for t in chunks:
-        words = t.view(torch.int64)
-        words.random_(generator=g)  # high entropy: no run of zeros, nothing compressible
-        words[::512] = marker
-        filled += t.numel()
-    torch.cuda.synchronize()
-    print(filled, flush=True)
-    time.sleep(600)
-"""
-
-SCAN_B = """
-    import sys, torch
-    marker = int(sys.argv[1], 16) - (1 << 63)
-    chunks, size = [], 1 << 30
-    while size >= 2 << 20:  # uninitialised: whatever the previous owner left
-        try:
-            chunks.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
-        except torch.cuda.OutOfMemoryError:
-            size //= 2
-    hits = scanned = 0
-    # The smallest chunks are checked on the host and freed: room for the GPU-side scans.
-    spare = 0
-    while chunks and spare < (256 << 20):
-        t = chunks.pop()
-        hits += int((t.cpu().view(torch.int64) == marker).sum())
-        scanned += t.numel()
-        spare += t.numel()
-        del t
-    torch.cuda.empty_cache()
-    step = 64 << 20
-    for t in chunks:
-        w = t.view(torch.int64)
-        for i in range(0, w.numel(), step // 8):
-            hits += int((w[i:i + step // 8] == marker).sum())
-        scanned += t.numel()
-    print(hits, scanned, flush=True)
-"""
 
 BANDWIDTH = """
     import time, torch
@@ -133,11 +90,11 @@ def _epilog(gpu: int, tmp: Path) -> dict:
 
 def test_wipe_leaves_no_canary_for_the_next_process(gpu: int, tmp_path: Path) -> None:
     marker = secrets.token_hex(8)
-    a = subprocess.Popen([sys.executable, "-c", textwrap.dedent(FILL_A), marker],  # noqa: S603
+    a = subprocess.Popen([sys.executable, "-c", textwrap.dedent(canary.FILL), marker],  # noqa: S603
                          text=True, stdout=subprocess.PIPE, env={**os.environ, **_visible(gpu)}, cwd=REPO)
     try:
         assert a.stdout is not None
-        filled = int(a.stdout.readline())
+        filled = int(a.stdout.readline().split()[0])
         assert filled > 1 << 30, "process A could not fill the GPU"
     finally:
         a.send_signal(signal.SIGKILL)
@@ -150,7 +107,7 @@ def test_wipe_leaves_no_canary_for_the_next_process(gpu: int, tmp_path: Path) ->
     assert wipe["figures"]["gpu_wipe_fraction"] >= 0.99, wipe  # of the memory free before the wipe
     assert next(s for s in report["steps"] if s["name"] == "gpu_processes")["status"] == "ok"
 
-    b = subprocess.run([sys.executable, "-c", textwrap.dedent(SCAN_B), marker],  # noqa: S603
+    b = subprocess.run([sys.executable, "-c", textwrap.dedent(canary.SCAN), marker],  # noqa: S603
                        env={**os.environ, **_visible(gpu)}, cwd=REPO, capture_output=True,
                        text=True, timeout=600, check=True)
     hits, scanned = map(int, b.stdout.split())
