@@ -29,7 +29,9 @@ class ChatTokenizer(Protocol):
 
     chat_template: Any
 
-    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any:
+        """Render (``tokenize=False``) or tokenize ``conversation`` with the model's chat template."""
+        ...
 
     def __call__(self, text: str, **kwargs: Any) -> Any: ...
 
