@@ -4,30 +4,32 @@ Torch and the Hugging Face stack are imported inside the functions so that
 ``trainer`` modules stay importable (and fail fast) without them.
 
 Attention over a packed row (examples concatenated, ``position_ids``
-restarting at 0 per example, ``attention_mask=None``, no cache). What
-transformers 5.24 does with that, per implementation (``masking_utils``):
+restarting at 0 per example, ``attention_mask=None``, no cache), by
+implementation (:func:`attention_implementation`):
 
-* ``flash_attention_2`` (CUDA with compute capability >= 8.0, when the
-  ``flash_attn`` package imports): ``flash_attention_mask`` returns ``None``
-  and the kernel is ``flash_attn_varlen_func`` over the example boundaries
-  (``cu_seq_lens_*``): no mask exists at all, attention memory is O(T). We pass
-  the boundaries from the row (:func:`row_loss`), computed on the host, so
-  transformers does not re-derive them from ``position_ids`` (a ``nonzero``
-  and a device sync in every layer). fp32 q/k/v (RoPE on the fp32 embeddings
-  PEFT upcast) are cast to the autocast dtype by transformers.
-* ``sdpa`` (CUDA otherwise, and the CPU): ``find_packed_sequence_indices``
-  labels each token with its example and ``sdpa_mask`` builds one dense
-  boolean ``(1, 1, T, T)`` block-diagonal causal mask per forward, shared by
-  all layers; SDPA then picks a kernel that accepts a mask (memory-efficient on
-  CUDA: the T x T scores are not stored). ``T <= max_seq_len`` because rows
-  never exceed it (a larger step is several rows), so the mask costs at most
-  ``max_seq_len**2`` bytes: 4 MiB at 2048, 1 GiB at 32768 (a warning past
-  :data:`DENSE_MASK_LIMIT`: install flash-attn there).
-* ``flex_attention`` (a sparse ``BlockMask``, no dense mask) is not used: its
-  kernel needs ``torch.compile`` (Triton), and under autocast q/k reach it in
-  fp32 (RoPE on the fp32 embeddings) with v in bf16; transformers casts those
-  for flash and autocast does for sdpa, nothing does for flex. Not worth an
-  untested path while rows are bounded by ``max_seq_len``.
+* ``flash_attention_2`` (CUDA, compute capability >= 8.0, when the
+  ``flash_attn`` package imports): transformers' ``flash_attention_mask``
+  returns ``None`` and the kernel is ``flash_attn_varlen_func`` over the
+  example boundaries (``cu_seq_lens_*``, passed from the row by
+  :func:`row_loss`, so transformers does not re-derive them from
+  ``position_ids`` in every layer): no mask at all, attention memory O(T).
+* ``sft_varlen`` (:mod:`trainer.attention`; CUDA >= 8.0 without flash_attn,
+  and the CPU): the same boundaries, no mask either (transformers builds none
+  for an implementation it has no mask function for). On CUDA it is torch's
+  own flash varlen kernel (``torch.nn.attention.varlen``); on the CPU one
+  causal SDPA per example (scores sum(L_i^2), not T^2).
+* ``sdpa`` (older GPUs, and architectures that refuse a custom attention
+  function): ``sdpa_mask`` builds one dense boolean ``(1, 1, T, T)``
+  block-diagonal causal mask per forward. ``T <= max_seq_len`` because rows
+  never exceed it, so the mask costs at most ``max_seq_len**2`` bytes (a
+  warning past :data:`DENSE_MASK_LIMIT`).
+* ``flex_attention`` is not used: its kernel needs ``torch.compile`` (Triton),
+  and under autocast q/k reach it in fp32 (RoPE on the fp32 embeddings) with
+  v in bf16; nothing casts those for flex.
+
+Whatever the path, ``models add`` checks that a packed row's loss equals the
+examples' unpacked losses (``trainer.packcheck``) with the model loaded as
+here.
 
 On CUDA every forward runs under ``torch.autocast(bfloat16)``; the LoRA
 weights (and what ``prepare_model_for_kbit_training`` upcasts) stay fp32
@@ -114,8 +116,10 @@ def resolve_device(requested: str) -> str:
 
 def attention_implementation(device: str, max_seq_len: int) -> str:
     """Return the ``attn_implementation`` to load with (see the module docstring for each)."""
+    from trainer import attention
+
     if device != "cuda":
-        return "sdpa"
+        return attention.register()
     import torch
     from transformers.utils import is_flash_attn_2_available
 
@@ -123,11 +127,13 @@ def attention_implementation(device: str, max_seq_len: int) -> str:
         try:
             import flash_attn  # noqa: F401 - a wheel built for another torch/CUDA fails here
         except (ImportError, OSError) as e:
-            log.warning("flash_attn is installed but does not import (%s); using sdpa", type(e).__name__)
+            log.warning("flash_attn is installed but does not import (%s)", type(e).__name__)
         else:
             return "flash_attention_2"
+    if attention.cuda_varlen_available():
+        return attention.register()
     if max_seq_len > DENSE_MASK_LIMIT:
-        log.warning("no flash-attn: sdpa builds a dense %d x %d mask per row (%d MiB); install flash-attn",
+        log.warning("no varlen attention on this GPU: sdpa builds a dense %d x %d mask per row (%d MiB)",
                     max_seq_len, max_seq_len, max_seq_len**2 >> 20)
     return "sdpa"
 
@@ -154,13 +160,14 @@ def load_base_model(path: str | Path, device: str | None = None, max_seq_len: in
         bnb_4bit_compute_dtype=compute,
     )
     attention = attention_implementation(device, max_seq_len)
-    model = AutoModelForCausalLM.from_pretrained(
-        path,
-        quantization_config=quant,
-        dtype=compute,
-        device_map={"": 0} if cuda else "cpu",
-        attn_implementation=attention,
-    )
+    load = {"quantization_config": quant, "dtype": compute, "device_map": {"": 0} if cuda else "cpu"}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attention, **load)
+    except ValueError as e:  # an architecture that takes no custom attention function
+        if attention in ("sdpa", "flash_attention_2"):
+            raise
+        log.info("%s refused (%s); loading with sdpa", attention, str(e).splitlines()[0][:200])
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", **load)
     log.info("base model on %s, attention %s", device, model.config._attn_implementation)
     disable_cpu_repack(model)
     return model
@@ -245,10 +252,13 @@ def _autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
 
 
 def _flash_kwargs(model: Any, row: Row, device: torch.device) -> dict[str, Any]:
-    """Example boundaries for flash-attention's varlen kernel (empty for other implementations)."""
+    """Example boundaries for the varlen kernels (flash-attention, ``sft_varlen``); empty for others."""
     import torch
 
-    if not str(getattr(model.config, "_attn_implementation", "")).startswith("flash_attention"):
+    from trainer.attention import VARLEN
+
+    implementation = str(getattr(model.config, "_attn_implementation", ""))
+    if not (implementation.startswith("flash_attention") or implementation == VARLEN):
         return {}
     bounds = sequence_bounds(row.position_ids)
     cu = torch.tensor(bounds, dtype=torch.int32, device=device)

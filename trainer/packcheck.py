@@ -10,7 +10,11 @@ runs :func:`check_packing` on the copied model before its entry becomes visible.
 
 The model is loaded as the trainer loads it (4-bit NF4 via
 ``trainer.model.load_base_model``) and the losses come from the trainer's own
-``row_loss``, so the check exercises the forward call that training makes.
+``row_loss``, so the check exercises the forward call that training makes. It
+runs with the attention the trainer picks here (``sft_varlen`` on the CPU,
+which keeps examples apart by itself) and again with ``sdpa``, the path a
+training node without a varlen kernel falls back to, whose mask comes from
+transformers' reading of ``position_ids``: a model must pass both.
 """
 
 from __future__ import annotations
@@ -136,14 +140,19 @@ def check_packing(path: str | Path, name: str) -> dict[str, Any]:
         size = min(len(tokenizer), model.get_input_embeddings().num_embeddings)
         special = set(tokenizer.all_special_ids)
         alone_rows, packed_rows = probe_rows(probe_examples([i for i in range(size) if i not in special]))
-        try:
-            alone, packed = _losses(model, alone_rows), _losses(model, packed_rows)
-        except (TypeError, ValueError, RuntimeError, IndexError) as e:
-            raise CatalogError(
-                f"model {name}: the trainer's packed forward (position_ids, no attention mask, "
-                f"logits_to_keep) fails on it ({type(e).__name__}: {e}); it cannot be trained here"
-            ) from e
-        worst = compare(name, alone, packed, dtype)
+        loaded = str(getattr(model.config, "_attn_implementation", "sdpa"))
+        worst = 0.0
+        for attention in dict.fromkeys([loaded, "sdpa"]):
+            if attention != loaded:
+                model.set_attn_implementation(attention)
+            try:
+                alone, packed = _losses(model, alone_rows), _losses(model, packed_rows)
+            except (TypeError, ValueError, RuntimeError, IndexError) as e:
+                raise CatalogError(
+                    f"model {name}: the trainer's packed forward (position_ids, no attention mask, "
+                    f"attention {attention}) fails on it ({type(e).__name__}: {e}); it cannot be trained here"
+                ) from e
+            worst = max(worst, compare(f"{name} (attention {attention})", alone, packed, dtype))
         device = next(p.device for p in model.parameters()).type
     finally:
         del model
@@ -152,6 +161,7 @@ def check_packing(path: str | Path, name: str) -> dict[str, Any]:
             torch.cuda.empty_cache()
     return {
         "passed": True,
+        "attention": sorted({loaded, "sdpa"}),
         "max_abs_diff": worst,
         "tolerance": tolerance_for(dtype),
         "compute_dtype": dtype,

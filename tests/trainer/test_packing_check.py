@@ -82,7 +82,7 @@ def test_opt_ignores_packed_boundaries_and_leaves_nothing_in_the_catalog(tiny: T
     root = tmp_path / "models"
     res = CliRunner().invoke(models, ["add", str(opt), "--name", "opt", "--root", str(root)])
     assert res.exit_code == 1
-    assert "error: model opt ignores packed-sequence boundaries: on probe example 2 of 3" in res.output
+    assert "error: model opt (attention sdpa) ignores packed-sequence boundaries: on probe example 2 of 3" in res.output
     assert "cannot be trained with padding-free packing" in res.output
     assert list_models(root) == [] and sorted(p.name for p in root.iterdir()) == [".lock"]
 

@@ -148,3 +148,34 @@ def test_chunked_logits_equal_full_logits(lora_model: Any, examples: list[Any]) 
     assert n == len(keep) > 7 * 3
     assert chunked_sum == pytest.approx(full_sum, rel=1e-6)
     assert int(correct) == int((logits.argmax(-1) == targets).sum())
+
+
+def test_varlen_attention_equals_the_block_diagonal_mask(lora_model: Any, examples: list[Any]) -> None:
+    # sft_varlen (no mask; one causal SDPA per example on the CPU) against transformers' sdpa path
+    # (a dense block-diagonal mask from position_ids): same loss and gradients on a packed row
+    from trainer.attention import VARLEN, boundaries
+    from trainer.model import row_loss
+    from trainer.packing import build_row, sequence_bounds
+
+    base = lora_model.get_base_model()
+    assert base.config._attn_implementation == VARLEN          # what load_base_model picks on the CPU
+    row = build_row(examples[:7])
+    lora_model.zero_grad(set_to_none=True)
+    varlen, n, _ = row_loss(lora_model, row)
+    (varlen / n).backward()
+    varlen_grads = _grads(lora_model)
+    base.set_attn_implementation("sdpa")
+    try:
+        masked, _, _ = row_loss(lora_model, row)
+        (masked / n).backward()
+        masked_grads = _grads(lora_model)
+    finally:
+        base.set_attn_implementation(VARLEN)
+    worst = _assert_same_grads(varlen_grads, masked_grads, rtol=1e-5)
+    print(f"\n{len(row.input_ids)}-token row of 7 examples: loss {float(varlen):.6f} (varlen) vs "
+          f"{float(masked):.6f} (dense mask), worst gradient difference {worst:.2g}")
+    assert float(varlen) == pytest.approx(float(masked), rel=1e-6)
+    import torch
+
+    assert boundaries(torch.tensor([row.position_ids]), len(row.input_ids)) == sequence_bounds(row.position_ids)
+    assert boundaries(None, 5) == [0, 5]
