@@ -55,7 +55,11 @@ class Settings(BaseSettings):
     max_wall_min: int = 3 * 24 * 60
     throughput_tokens_per_s: float = 1500.0      # conservative; sets --time for backfill
     job_overhead_s: int = 300                    # model load, eval, save
-    job_cpus: int = 2
+    job_cpus: int = 2                            # per rank (one rank per GPU)
+    # Gangs (resources.gpus over resources.nodes): the most a job may ask for; QOS tiers limit GPUs further.
+    max_gpus_per_node: int = 8
+    max_nodes_per_job: int = 16
+    parallel_efficiency: float = 0.8             # the estimate's speed-up per extra rank
     job_mem_mb: int = 8192
     signal_grace_s: int = 90
     # The trainer's device: "auto" trains on CUDA when torch sees it, and refuses the CPU when Slurm

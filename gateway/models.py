@@ -141,6 +141,9 @@ class FineTuningJob(SQLModel, table=True):
     qos: str | None = Field(default=None, max_length=32)
     time_limit_min: int | None = None
     estimated_tokens: int | None = None
+    # the gang: GPUs in all (one trainer rank each) over this many nodes (gpus % nodes == 0)
+    gpus: int = Field(default=1)
+    nodes: int = Field(default=1)
     slurm_job_id: int | None = Field(default=None, index=True)
     attempt: int = Field(default=0)
     slurm_state: str | None = Field(default=None, max_length=32)

@@ -152,6 +152,7 @@ class JobSpec(_Strict):
     job_dir: Annotated[str, Field(min_length=1)]
     checkpoint_every_steps: Annotated[int, Field(ge=1, le=10_000_000)] = 100
     keep_checkpoints: Annotated[int, Field(ge=1, le=100)] = 2
+    world_size: Annotated[int, Field(ge=1, le=1024)] = 1
     device: Literal["auto", "cuda", "cpu"] = "auto"
 
 
@@ -258,7 +259,7 @@ def load_spec(path: str | Path) -> JobSpec:
 
 
 _ADDED_HYPERPARAMETERS = ("warmup_ratio", "early_stopping_patience", "early_stopping_min_delta", "torch_compile")
-_ADDED_FIELDS = ("device",)
+_ADDED_FIELDS = ("device", "world_size")
 """Fields added after version 1 shipped: left out of the canonical JSON while at their default,
 so a spec that does not use them keeps its hash (and an in-flight job its checkpoints) across
 an upgrade."""

@@ -30,6 +30,14 @@ class Method(BaseModel):
     supervised: Supervised | None = None
 
 
+class Resources(BaseModel):
+    """Ours: the GPUs a job trains on (one trainer rank each), spread over ``nodes``."""
+
+    model_config = ConfigDict(extra="forbid")
+    gpus: Annotated[int, Field(ge=1, le=1024)] = 1
+    nodes: Annotated[int, Field(ge=1, le=1024)] = 1
+
+
 class CreateJob(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: Annotated[str, Field(min_length=1, max_length=100)]
@@ -42,6 +50,7 @@ class CreateJob(BaseModel):
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = \
         Field(default=None, max_length=16)
     integrations: Annotated[list[Any], Field(max_length=16)] | None = None   # accepted, not used
+    resources: Resources | None = None                                        # ours; default 1 GPU
 
 
 def _ts(dt: Any) -> int | None:
@@ -72,6 +81,7 @@ def job_object(job: FineTuningJob, tenant: str) -> dict[str, Any]:
         "method": {"type": "supervised", "supervised": {"hyperparameters": {**openai_hp, **hp}}},
         # ours
         "slurm_job_id": job.slurm_job_id, "attempt": job.attempt, "phase": job.phase, "qos": job.qos,
+        "resources": {"gpus": job.gpus, "nodes": job.nodes},
         "cleanup": job.cleanup, "stop_confirmed": job.stop_confirmed_at is not None,
         "progress": {k: v for k, v in (job.progress or {}).items() if k not in ("failure", "node", "counted_step")},
     }
@@ -105,7 +115,9 @@ def create_job(body: CreateJob, request: Request, session: SessionDep, settings:
     assert principal.tenant_name is not None
     req = svc.JobRequest(training_file=body.training_file, model=body.model, validation_file=body.validation_file,
                          hyperparameters=hp, suffix=body.suffix, seed=body.seed, metadata=body.metadata,
-                         idempotency_key=idempotency_key)
+                         idempotency_key=idempotency_key,
+                         gpus=body.resources.gpus if body.resources else 1,
+                         nodes=body.resources.nodes if body.resources else 1)
     job = svc.create_job(session=session, settings=settings, principal=principal, req=req, submit=submitter)
     assert principal.tenant_name is not None
     return job_object(job, principal.tenant_name)

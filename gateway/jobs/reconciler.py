@@ -34,6 +34,7 @@ from gateway.services.publication import fine_tuned_model_name as fine_tuned_mod
 from gateway.services.publication import publish_attempt
 from gateway.services.recovery import resubmittable_spec
 from gateway.slurm.client import JobStatus
+from gateway.slurm.records import SlurmParseError, expand_nodelist
 from gateway.storage import storage_for
 
 log = logging.getLogger(__name__)
@@ -249,17 +250,28 @@ class Reconciler:
                                       "Node cleanup FAILED: the node was drained for an administrator", "warn")
 
     def _epilog_ok(self, job: FineTuningJob) -> bool | None:
-        """Whether the epilog's scrub report for ``job`` says the node is clean; None: no report yet."""
-        node = (job.progress or {}).get("node")
-        if not node or job.slurm_job_id is None:
-            return None
-        path = report_path(self.settings.scrub_report_dir, node, job.slurm_job_id, "epilog")
-        if not path.exists():
+        """Whether the epilog's scrub reports for ``job`` say every node of it is clean: False when
+        one is not (or its list cannot be read), None while a node's report is missing."""
+        nodelist = (job.progress or {}).get("node")
+        if not nodelist or job.slurm_job_id is None:
             return None
         try:
-            return read_report(path).ok
-        except ScrubReportError:
+            nodes = expand_nodelist(str(nodelist))
+        except SlurmParseError:
             return False
+        verdicts: list[bool | None] = []
+        for node in nodes:
+            path = report_path(self.settings.scrub_report_dir, node, job.slurm_job_id, "epilog")
+            if not path.exists():
+                verdicts.append(None)
+                continue
+            try:
+                verdicts.append(read_report(path).ok)
+            except ScrubReportError:
+                verdicts.append(False)
+        if False in verdicts or not verdicts:
+            return False
+        return None if None in verdicts else True
 
     def _set_cleanup(self, s: Session, job: FineTuningJob, cleanup: str, message: str, level: str) -> None:
         try:

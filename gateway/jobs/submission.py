@@ -17,18 +17,31 @@ from gateway.storage import TenantRunner, storage_for
 
 Submit = job_service.Submit        # the seam services call; Submitter is its implementation
 
-QOS_TIERS: tuple[tuple[str, int], ...] = (("ft-small", 240), ("ft-standard", 1440), ("ft-large", 4320))
-"""The tiers ``finetune tenants add`` creates, smallest first, with their MaxWall in minutes."""
+QOS_TIERS: tuple[tuple[str, int, int], ...] = (
+    ("ft-small", 240, 1), ("ft-standard", 1440, 2), ("ft-large", 4320, 4))
+"""The tiers ``finetune tenants add`` creates, smallest first: (name, MaxWall minutes,
+MaxTRESPerUser GPUs), as ``slurm_templates/qos_policy.toml`` applies them."""
 
 
-def pick_qos(allowed: tuple[str, ...], minutes: int) -> str:
-    """The smallest tier that fits the time; tiers the tenant lacks are skipped."""
-    for tier, max_min in QOS_TIERS:
-        if minutes <= max_min and tier in allowed:
-            return tier
+def pick_qos(allowed: tuple[str, ...], minutes: int, gpus: int = 1) -> str:
+    """The smallest tier that fits the time and the GPUs; tiers the tenant lacks are skipped.
+
+    Raises ServiceError (naming the limit) when no tier of the tenant allows ``gpus``. A tier of
+    another name (a site's own) has limits we do not know: Slurm decides for it."""
     if not allowed:
         raise ServiceError("the tenant has no QOS tier: ask your administrator")
-    return allowed[0]
+    known = {name: (wall, max_gpus) for name, wall, max_gpus in QOS_TIERS}
+    fits_gpus = [t for t in allowed if t not in known or gpus <= known[t][1]]
+    if not fits_gpus:
+        most = max(allowed, key=lambda t: known[t][1])
+        raise ServiceError(
+            f"the job asks for {gpus} GPUs but your QOS tiers allow at most {known[most][1]} per user "
+            f"({most}: MaxTRESPerUser=gres/gpu={known[most][1]}): ask for fewer, or ask your administrator "
+            "for a larger tier", param="resources.gpus", code="gpu_limit")
+    for tier, max_min, _ in QOS_TIERS:
+        if tier in fits_gpus and minutes <= max_min:
+            return tier
+    return fits_gpus[0]
 
 
 class Submitter:
@@ -57,19 +70,21 @@ class Submitter:
             self._qos[tenant] = (time.monotonic(), allowed)
         return allowed
 
-    def qos_for(self, tenant: str, minutes: int) -> str:
-        """The QOS tier a job of ``minutes`` would get (used by admission and the portal's estimate)."""
-        return pick_qos(self.allowed_qos(tenant), minutes)
+    def qos_for(self, tenant: str, minutes: int, gpus: int = 1) -> str:
+        """The QOS tier a job of ``minutes`` on ``gpus`` GPUs would get (admission, the portal's
+        estimate and submission use it); ServiceError naming the limit if no tier allows the GPUs."""
+        return pick_qos(self.allowed_qos(tenant), minutes, gpus)
 
     def __call__(self, job: FineTuningJob, spec: dict[str, Any], tenant: str) -> tuple[int, str]:
         user = unix_user_for(tenant)
-        qos = self.qos_for(tenant, job.time_limit_min or 60)
+        qos = self.qos_for(tenant, job.time_limit_min or 60, job.gpus)
         store = storage_for(self.settings).tenant(tenant)
         spec_path = store.write_spec(job.id, spec)       # as the tenant, through the broker
         script = JobScript(
             job_name=job.id, account=tenant, qos=qos, job_dir=spec["job_dir"],
             command=(str(self.settings.runtime_python), "-m", "trainer", "run", str(spec_path)),
-            gpus=1, cpus=self.settings.job_cpus, mem_mb=self.settings.job_mem_mb,
+            gpus=job.gpus // job.nodes, nodes=job.nodes, cpus=self.settings.job_cpus,
+            mem_mb=self.settings.job_mem_mb * (job.gpus // job.nodes),
             time_limit_min=job.time_limit_min or 60, grace_s=self.settings.signal_grace_s,
             partition=self.settings.slurm_partition,
             env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})

@@ -11,7 +11,6 @@ import hashlib
 import json
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
@@ -31,8 +30,17 @@ from gateway.storage import layout
 if TYPE_CHECKING:
     from trainer.catalog import CatalogEntry
 
-Submit = Callable[[FineTuningJob, dict[str, Any], str], tuple[int, str]]
-"""``submit(job, spec, tenant) -> (scheduler job id, qos)``: ``jobs.submission.Submitter``."""
+class Submit(Protocol):
+    """``submit(job, spec, tenant) -> (scheduler job id, qos)``: ``jobs.submission.Submitter``."""
+
+    def __call__(self, job: FineTuningJob, spec: dict[str, Any], tenant: str) -> tuple[int, str]:
+        """Submit ``job`` as ``tenant``; return the scheduler's job id and the QOS tier used."""
+        ...
+
+    def qos_for(self, tenant: str, minutes: int, gpus: int = 1) -> str:
+        """The QOS tier a job of ``minutes`` on ``gpus`` GPUs would get; ServiceError naming the limit
+        when none of the tenant's tiers allows that many GPUs."""
+        ...
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +66,8 @@ class JobRequest:
     seed: int | None = None
     metadata: dict[str, str] | None = None
     idempotency_key: str | None = None
+    gpus: int = 1           # in all: one trainer rank each
+    nodes: int = 1
 
     def digest(self) -> str:
         """sha256 of the request without its idempotency key: a reused key must come with the same request."""
@@ -195,6 +205,26 @@ def build_hyperparameters(raw: dict[str, Any]) -> dict[str, Any]:
     return hp
 
 
+def check_resources(settings: Settings, gpus: int, nodes: int) -> None:
+    """ServiceError (400, naming the field) unless ``gpus`` over ``nodes`` is a gang this site runs:
+    whole GPUs per node (``gpus % nodes == 0``), at most ``max_gpus_per_node`` per node and
+    ``max_nodes_per_job`` nodes; local mode runs one process."""
+    if nodes < 1 or gpus < 1:
+        raise ServiceError("resources.gpus and resources.nodes must be at least 1", param="resources")
+    if gpus % nodes:
+        raise ServiceError(f"resources.gpus ({gpus}) must be a multiple of resources.nodes ({nodes}): "
+                           "every node runs the same number of ranks", param="resources.gpus")
+    if nodes > settings.max_nodes_per_job:
+        raise ServiceError(f"resources.nodes ({nodes}) is over this site's limit of {settings.max_nodes_per_job} "
+                           "nodes per job", param="resources.nodes")
+    if gpus // nodes > settings.max_gpus_per_node:
+        raise ServiceError(f"resources: {gpus // nodes} GPUs per node is over this site's "
+                           f"{settings.max_gpus_per_node} per node: spread them over more nodes",
+                           param="resources.gpus")
+    if settings.local and gpus > 1:
+        raise ServiceError("local mode runs one trainer process: resources.gpus must be 1", param="resources.gpus")
+
+
 def _catalog_entry(settings: Settings, name: str) -> CatalogEntry:
     from trainer import catalog
 
@@ -207,12 +237,16 @@ def _catalog_entry(settings: Settings, name: str) -> CatalogEntry:
                        code="model_not_found")
 
 
-def estimate(settings: Settings, train: DataFile, epochs: int) -> tuple[int, int]:
-    """(training tokens, time limit in minutes) for --time: backfill can place small jobs."""
+def estimate(settings: Settings, train: DataFile, epochs: int, gpus: int = 1) -> tuple[int, int]:
+    """(training tokens, time limit in minutes) for --time: backfill can place small jobs.
+
+    ``gpus`` ranks share the tokens (data parallel); the estimate counts them at
+    ``settings.parallel_efficiency`` each beyond the first, never faster than that."""
     stats = (train.validation or {}).get("stats") or {}
     tokens = (stats.get("tokens") or {}).get("total") or max(1, train.bytes // 4)
     training_tokens = int(tokens) * epochs
-    seconds = training_tokens / settings.throughput_tokens_per_s + settings.job_overhead_s
+    speedup = 1 + (gpus - 1) * settings.parallel_efficiency
+    seconds = training_tokens / (settings.throughput_tokens_per_s * speedup) + settings.job_overhead_s
     return training_tokens, max(5, math.ceil(1.5 * seconds / 60))
 
 
@@ -240,13 +274,15 @@ def create_job(*, session: Session, settings: Settings, principal: Principal, re
     if req.seed is not None:
         hp["seed"] = req.seed
     epochs = _epochs(hp)
-    tokens, minutes = estimate(settings, train, epochs)
+    check_resources(settings, req.gpus, req.nodes)
+    tokens, minutes = estimate(settings, train, epochs, req.gpus)
     _admit(session, settings, tid, tokens, minutes)
+    _gpus_allowed(submit, tenant_name, minutes, req.gpus)
     job = FineTuningJob(tenant_id=tid, training_file=train.id, validation_file=val.id if val else None,
                         model=req.model, model_digest=entry.digest, hyperparameters=hp,
                         suffix=req.suffix, seed=req.seed, meta=req.metadata,
                         idempotency_key=req.idempotency_key, request_hash=req.digest(),
-                        estimated_tokens=tokens, time_limit_min=minutes)
+                        estimated_tokens=tokens, time_limit_min=minutes, gpus=req.gpus, nodes=req.nodes)
     spec = job_spec(settings, tenant_name, job, train, val, entry)  # validates hp before any row exists
     try:
         with session.begin_nested():
@@ -263,6 +299,17 @@ def create_job(*, session: Session, settings: Settings, principal: Principal, re
     assert principal.tenant_name is not None
     submit_job(session=session, job=job, spec=spec, tenant=principal.tenant_name, submit=submit)
     return job
+
+
+def _gpus_allowed(submit: Submit, tenant: str, minutes: int, gpus: int) -> None:
+    """Refuse (400, naming the limit) a job whose GPUs no QOS tier of the tenant allows, before a row
+    exists; when the tiers cannot be read now (Slurm down), submission records that instead."""
+    from gateway.errors import SlurmError
+
+    try:
+        submit.qos_for(tenant, minutes, gpus)
+    except SlurmError:
+        log.warning("QOS tiers of %s unreadable at admission; submission will decide", tenant)
 
 
 def _same_request(existing: FineTuningJob, req: JobRequest) -> FineTuningJob:
@@ -315,6 +362,7 @@ def job_spec(settings: Settings, tenant: str, job: FineTuningJob, train: DataFil
         "checkpoint_every_steps": top.get("checkpoint_every_steps", settings.checkpoint_every_steps),
         **({"keep_checkpoints": top["keep_checkpoints"]} if "keep_checkpoints" in top else {}),
         **({"device": settings.job_device} if settings.job_device != "auto" else {}),
+        **({"world_size": job.gpus} if job.gpus > 1 else {}),
     }
     try:
         parse_spec(spec)

@@ -114,6 +114,45 @@ Field = tuple[str, str, Callable[[str], Any]]
 R = TypeVar("R")
 
 
+_HOST_RANGE = re.compile(r"([^,\[\]]*)\[([^\]]+)\]([^,\[\]]*)")
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Slurm's hostlist notation → node names: ``"gpu[01-03,07],login"`` → gpu01 gpu02 gpu03 gpu07
+    login (zero padding kept, order kept, one bracket group per name). Raises SlurmParseError on a
+    malformed list or a range over 4096 names."""
+    names: list[str] = []
+    for part in _split_top(nodelist.strip()):
+        m = _HOST_RANGE.fullmatch(part)
+        if m is None:
+            if "[" in part or "]" in part or not part:
+                raise SlurmParseError(f"malformed node list {nodelist!r}")
+            names.append(part)
+            continue
+        prefix, ranges, suffix = m.groups()
+        for r in ranges.split(","):
+            lo, _, hi = r.partition("-")
+            if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+                raise SlurmParseError(f"malformed node range {r!r} in {nodelist!r}")
+            end = int(hi) if hi else int(lo)
+            if end - int(lo) > 4096 or len(names) > 65536:
+                raise SlurmParseError(f"node list {nodelist!r} is too long")
+            names += [f"{prefix}{i:0{len(lo)}d}{suffix}" for i in range(int(lo), end + 1)]
+    return names
+
+
+def _split_top(text: str) -> list[str]:
+    """Split ``text`` at the commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p for p in parts if p] if text else []
+
+
 def parse_rows(
     text: str, fields: tuple[Field, ...], make: Callable[..., R], delim: str = DELIM,
     free: str | None = None,

@@ -33,7 +33,8 @@ class JobScript:
     qos: str
     job_dir: str
     command: tuple[str, ...]
-    gpus: int = 1
+    gpus: int = 1                # per node; one task (trainer rank) per GPU
+    nodes: int = 1
     cpus: int = 1
     mem_mb: int = 4096
     time_limit_min: int = 60
@@ -64,6 +65,36 @@ def _positive(name: str, value: int, maximum: int) -> str:
     return str(value)
 
 
+GANG_PORT_BASE = 20000
+"""A gang's rendezvous port: ``GANG_PORT_BASE + job id % 20000`` on its first node."""
+
+
+def _gang(job: JobScript) -> dict[str, str]:
+    """The lines that differ for a gang (several ranks): one srun step, one task per GPU.
+
+    The ranks find each other at ``MASTER_ADDR:MASTER_PORT`` (the first node of the
+    allocation, a port from the job id); each reads its rank from ``SLURM_PROCID``.
+    srun forwards the batch script's USR1/TERM to every rank, and ``--kill-on-bad-exit``
+    ends the whole step when one rank dies (gang semantics: the job fails or requeues
+    as one). A single rank runs as a plain child, exactly as before.
+    """
+    nodes = int(_positive("nodes", job.nodes, 1024))
+    per_node = int(_positive("gpus", job.gpus, 64))
+    if nodes == 1 and per_node == 1:
+        return {"tasks_lines": "#SBATCH --nodes=1\n#SBATCH --ntasks=1\n", "gang_lines": "", "launch": ""}
+    return {
+        "tasks_lines": f"#SBATCH --nodes={nodes}\n#SBATCH --ntasks-per-node={per_node}\n",
+        "gang_lines": (
+            "# a gang: the ranks meet on the first node; each reads its rank from SLURM_PROCID\n"
+            'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
+            f"MASTER_PORT=$(( {GANG_PORT_BASE} + SLURM_JOB_ID % 20000 ))\n"
+            "export MASTER_ADDR MASTER_PORT\n"
+        ),
+        "launch": (f"srun --kill-on-bad-exit=1 --nodes={nodes} --ntasks-per-node={per_node} "
+                   f"--cpus-per-task={_positive('cpus', job.cpus, 1024)} --export=ALL "),
+    }
+
+
 def render_sbatch(job: JobScript) -> str:
     """Return the batch script text for ``job``; raise RenderError on an unsafe value."""
     if not job.command:
@@ -92,6 +123,7 @@ def render_sbatch(job: JobScript) -> str:
         "job_dir": _directive("job_dir", job.job_dir),
         "exports": exports,
         "command": shlex.join(job.command),
+        **_gang(job),
     }
     text = resources.files("slurm_templates").joinpath("finetune.sbatch").read_text()
     return Template(text).substitute(values)

@@ -48,18 +48,21 @@ def jobs() -> None:
 @click.option("--suffix", help="Up to 64 characters of [A-Za-z0-9_.-] in the fine-tuned model's name.")
 @click.option("--seed", type=click.IntRange(0, 2**31 - 1))
 @click.option("--idempotency-key", help="Sending the same key again returns the same job.")
+@click.option("--gpus", type=click.IntRange(1, 1024), help="GPUs in all, one trainer rank each (default 1).")
+@click.option("--nodes", type=click.IntRange(1, 1024), help="Nodes to spread the GPUs over (default 1).")
 @click.option("--hp", "extra", multiple=True, metavar="KEY=VALUE", help="Any other hyperparameter (repeatable).")
 @click.option("--json", "as_json", is_flag=True)
 def create_job(training_file: str, validation_file: str | None, model: str, epochs: int | None,
                learning_rate_multiplier: float | None, lora_r: int | None, batch_size_tokens: int | None,
                max_seq_len: int | None, suffix: str | None, seed: int | None, idempotency_key: str | None,
-               extra: tuple[str, ...], as_json: bool) -> None:
+               gpus: int | None, nodes: int | None, extra: tuple[str, ...], as_json: bool) -> None:
     """Create a fine-tuning job; it is submitted at once (to Slurm; in local mode it starts on this machine)."""
     named = {"n_epochs": epochs, "learning_rate_multiplier": learning_rate_multiplier, "lora_r": lora_r,
              "batch_size_tokens": batch_size_tokens, "max_seq_len": max_seq_len}
     hp = {**{k: v for k, v in named.items() if v is not None}, **_parse_hp(extra)}
     body = {"model": model, "training_file": training_file, "validation_file": validation_file,
-            "hyperparameters": hp or None, "suffix": suffix, "seed": seed}
+            "hyperparameters": hp or None, "suffix": suffix, "seed": seed,
+            "resources": {"gpus": gpus or 1, "nodes": nodes or 1} if gpus or nodes else None}
     obj = call("POST", "/v1/fine_tuning/jobs", json={k: v for k, v in body.items() if v is not None},
                headers={"Idempotency-Key": idempotency_key} if idempotency_key else None).json()
     if as_json:

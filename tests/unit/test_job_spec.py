@@ -47,3 +47,43 @@ def test_early_stopping_without_evals_is_a_clear_400(tmp_path: Path) -> None:
     with pytest.raises(ServiceError, match="early_stopping_patience .* needs eval_every_steps") as e:
         _spec(tmp_path, {"early_stopping_patience": 2})
     assert e.value.status == 400 and e.value.param == "hyperparameters"
+
+
+def test_a_gang_job_asks_the_trainer_for_one_rank_per_gpu(tmp_path: Path) -> None:
+    s = Settings(storage_root=tmp_path, database_url="sqlite://")
+    train = DataFile(id="file-1", tenant_id=1, filename="t.jsonl", bytes=10, sha256=SHA)
+    job = FineTuningJob(id="ftjob-" + "c" * 24, tenant_id=1, training_file="file-1", model="tiny-chat",
+                        hyperparameters={}, gpus=4, nodes=2)
+    spec = job_spec(s, "acme", job, train, None, ENTRY)
+    assert spec["world_size"] == 4 and parse_spec(spec).world_size == 4
+    assert "world_size" not in _spec(tmp_path)          # one GPU: the spec (and its hash) as before
+
+
+@pytest.mark.parametrize(("gpus", "nodes", "local", "message"), [
+    (3, 2, False, r"resources.gpus \(3\) must be a multiple of resources.nodes \(2\)"),
+    (32, 32, False, r"resources.nodes \(32\) is over this site's limit of 16"),
+    (16, 1, False, r"16 GPUs per node is over this site's 8 per node"),
+    (2, 1, True, "local mode runs one trainer process"),
+])
+def test_gangs_this_site_cannot_run_are_refused(tmp_path: Path, gpus: int, nodes: int, local: bool,
+                                               message: str) -> None:
+    from gateway.services.jobs import check_resources
+
+    s = Settings(storage_root=tmp_path, database_url="sqlite://", **({"backend": "local", "data_dir": tmp_path}
+                                                                     if local else {}))
+    with pytest.raises(ServiceError, match=message) as e:
+        check_resources(s, gpus, nodes)
+    assert e.value.status == 400 and (e.value.param or "").startswith("resources")
+    check_resources(Settings(storage_root=tmp_path, database_url="sqlite://"), 8, 2)   # 4 per node: fine
+
+
+def test_the_estimate_counts_the_ranks(tmp_path: Path) -> None:
+    from gateway.services.jobs import estimate
+
+    s = Settings(storage_root=tmp_path, database_url="sqlite://", throughput_tokens_per_s=1000.0,
+                 job_overhead_s=0, parallel_efficiency=0.8)
+    train = DataFile(id="file-1", tenant_id=1, filename="t.jsonl", bytes=10, sha256=SHA,
+                     validation={"stats": {"tokens": {"total": 600_000}}})
+    assert estimate(s, train, 1) == (600_000, 15)          # 600 s x 1.5 margin
+    assert estimate(s, train, 1, gpus=4) == (600_000, 5)   # 600 s / 3.4 x 1.5 = 4.4 min -> the 5-minute floor
+    assert estimate(s, train, 2, gpus=2)[1] < estimate(s, train, 2)[1]

@@ -323,3 +323,42 @@ def test_cancelling_job_is_cancelled_once_slurm_has_no_process(env: Any) -> None
     rec.cycle()
     job = _status(engine, jid)
     assert job.status == "cancelled" and job.stop_confirmed_at is not None and job.cleanup == "pending"
+
+
+def _scrub_report(settings: Settings, node: str, job_id: int, outcome: str) -> None:
+    path = settings.scrub_report_dir / node / f"{job_id}-epilog.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "kind": "epilog", "job_id": job_id, "node": node, "user": "sft-acme", "started": "2026-12-01T00:00:00+00:00",
+        "seconds": 0.1, "outcome": outcome, "failed_steps": [] if outcome == "ok" else ["gpu_wipe"],
+        "totals": {"files_removed": 0, "bytes_removed": 0, "processes_killed": 0, "gpu_bytes_wiped": 0},
+        "steps": [{"name": "gpu_wipe", "status": outcome, "message": "-", "seconds": 0.1}]}))
+
+
+def test_a_gang_job_is_clean_only_when_every_node_says_so(env: Any, tmp_path: Path) -> None:
+    engine, _, _, client = env
+    settings = Settings(storage_root=tmp_path / "s", database_url=f"sqlite:///{tmp_path / 'g.db'}",
+                        submission_grace_s=0, scrub_report_dir=tmp_path / "scrub")
+    clean = _job(engine, status="succeeded", slurm_job_id=41, cleanup="pending", progress={"node": "gpu[01-02]"})
+    dirty = _job(engine, status="succeeded", slurm_job_id=42, cleanup="pending", progress={"node": "gpu01,gpu02"})
+    _scrub_report(settings, "gpu01", 41, "ok")
+    _scrub_report(settings, "gpu01", 42, "ok")
+    _scrub_report(settings, "gpu02", 42, "fail")
+    rec = Reconciler(engine, settings, client)
+    rec.cycle()
+    assert _status(engine, clean).cleanup == "pending"          # gpu02 has not reported yet
+    assert _status(engine, dirty).cleanup == "failed"           # one node failed: the whole job's cleanup did
+    _scrub_report(settings, "gpu02", 41, "ok")
+    rec.cycle()
+    assert _status(engine, clean).cleanup == "confirmed"
+
+
+def test_node_lists_expand_like_slurms() -> None:
+    from gateway.slurm.records import SlurmParseError, expand_nodelist
+
+    assert expand_nodelist("vm,vm2") == ["vm", "vm2"]
+    assert expand_nodelist("gpu[01-03,07],login") == ["gpu01", "gpu02", "gpu03", "gpu07", "login"]
+    assert expand_nodelist("n[8-10]-ib") == ["n8-ib", "n9-ib", "n10-ib"]
+    for bad in ("gpu[01-", "gpu[3-1]", "gpu[a-b]", "x,gpu]1", "n[0-99999]"):
+        with pytest.raises(SlurmParseError):
+            expand_nodelist(bad)

@@ -76,3 +76,34 @@ def test_relative_job_dir_and_bad_env_name_refused() -> None:
                                                 (1440, "1-00:00:00"), (4321, "3-00:01:00")])
 def test_time_limit_format(minutes: int, text: str) -> None:
     assert format_time_limit(minutes) == text
+
+
+GANG_GOLDEN = GOLDEN.with_name("finetune-gang.sbatch")
+
+
+def test_gang_golden_file() -> None:
+    # 2 nodes x 2 GPUs: one srun step, one task (trainer rank) per GPU, the ranks meet on the first node
+    text = render_sbatch(job(gpus=2, nodes=2, mem_mb=16384))
+    if os.environ.get("UPDATE_GOLDEN"):
+        GANG_GOLDEN.write_text(text)
+    assert text == GANG_GOLDEN.read_text()
+    assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=2\n" in text and "#SBATCH --gres=gpu:2\n" in text
+    assert ("srun --kill-on-bad-exit=1 --nodes=2 --ntasks-per-node=2 --cpus-per-task=2 --export=ALL "
+            "/opt/slurm-finetune/venv/bin/python -m trainer run") in text
+    assert "#SBATCH --ntasks=1" not in text
+
+
+def test_rendered_scripts_are_valid_bash(tmp_path: Path) -> None:
+    import subprocess
+
+    for i, script in enumerate([job(), job(gpus=4, nodes=1), job(gpus=1, nodes=3)]):
+        path = tmp_path / f"{i}.sbatch"
+        path.write_text(render_sbatch(script))
+        done = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, check=False)
+        assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(("gpus", "nodes"), [(0, 1), (1, 0), (65, 1)])
+def test_gang_sizes_out_of_range_refused(gpus: int, nodes: int) -> None:
+    with pytest.raises(RenderError):
+        render_sbatch(job(gpus=gpus, nodes=nodes))
