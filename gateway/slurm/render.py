@@ -65,6 +65,9 @@ def _positive(name: str, value: int, maximum: int) -> str:
     return str(value)
 
 
+GANG_RETRIES = 3
+"""How many times a gang that lost a rank is requeued before the job fails."""
+
 GANG_PORT_BASE = 20000
 """A gang's rendezvous port: ``GANG_PORT_BASE + job id % 20000`` on its first node."""
 
@@ -76,12 +79,15 @@ def _gang(job: JobScript) -> dict[str, str]:
     allocation, a port from the job id); each reads its rank from ``SLURM_PROCID``.
     srun forwards the batch script's USR1/TERM to every rank, and ``--kill-on-bad-exit``
     ends the whole step when one rank dies (gang semantics: the job fails or requeues
-    as one). A single rank runs as a plain child, exactly as before.
+    as one): a lost rank requeues the job up to ``GANG_RETRIES`` times, and the next
+    attempt resumes from the newest complete checkpoint. A single rank runs as a plain
+    child, exactly as before.
     """
     nodes = int(_positive("nodes", job.nodes, 1024))
     per_node = int(_positive("gpus", job.gpus, 64))
     if nodes == 1 and per_node == 1:
-        return {"tasks_lines": "#SBATCH --nodes=1\n#SBATCH --ntasks=1\n", "gang_lines": "", "launch": ""}
+        return {"tasks_lines": "#SBATCH --nodes=1\n#SBATCH --ntasks=1\n", "gang_lines": "", "launch": "",
+                "gang_requeue": ""}
     return {
         "tasks_lines": f"#SBATCH --nodes={nodes}\n#SBATCH --ntasks-per-node={per_node}\n",
         "gang_lines": (
@@ -92,6 +98,10 @@ def _gang(job: JobScript) -> dict[str, str]:
         ),
         "launch": (f"srun --kill-on-bad-exit=1 --nodes={nodes} --ntasks-per-node={per_node} "
                    f"--cpus-per-task={_positive('cpus', job.cpus, 1024)} --export=ALL "),
+        # a lost rank: the trainer's PEER_LOST (76), or a rank killed by a signal (> 128) that is
+        # not our cancel's TERM (143); requeued a bounded number of times, each a resumed attempt
+        "gang_requeue": (' || { { [ "$rc" -eq 76 ] || { [ "$rc" -gt 128 ] && [ "$rc" -ne 143 ]; }; } '
+                         f'&& [ "${{SLURM_RESTART_COUNT:-0}}" -lt {GANG_RETRIES} ]; }}'),
     }
 
 
