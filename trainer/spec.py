@@ -140,6 +140,10 @@ class JobSpec(_Strict):
     ``device``: ``"cuda"`` (the job was given a GPU: fail at once, exit
     ``GPU_UNAVAILABLE``, if CUDA is not usable rather than train on the CPU),
     ``"cpu"`` (never use a GPU) or ``"auto"`` (CUDA when available, else CPU).
+
+    ``world_size``: the number of data-parallel ranks (one process per GPU) the job
+    is launched with; the trainer refuses a launch with another number. Steps, data
+    order and checkpoints do not depend on it (see ``trainer.distributed``).
     """
 
     version: Literal[1] = 1
@@ -153,6 +157,7 @@ class JobSpec(_Strict):
     checkpoint_every_steps: Annotated[int, Field(ge=1, le=10_000_000)] = 100
     keep_checkpoints: Annotated[int, Field(ge=1, le=100)] = 2
     device: Literal["auto", "cuda", "cpu"] = "auto"
+    world_size: Annotated[int, Field(ge=1, le=1024)] = 1
 
 
 def _model_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel] | None:
@@ -258,7 +263,7 @@ def load_spec(path: str | Path) -> JobSpec:
 
 
 _ADDED_HYPERPARAMETERS = ("warmup_ratio", "early_stopping_patience", "early_stopping_min_delta", "torch_compile")
-_ADDED_FIELDS = ("device",)
+_ADDED_FIELDS = ("device", "world_size")
 """Fields added after version 1 shipped: left out of the canonical JSON while at their default,
 so a spec that does not use them keeps its hash (and an in-flight job its checkpoints) across
 an upgrade."""
