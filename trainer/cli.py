@@ -26,12 +26,12 @@ _ROOT = click.option(
 )
 
 
-def setup_logging(level: int = logging.INFO) -> None:
-    """Log to stderr with timestamps (metrics and counts only, never data)."""
+def setup_logging(level: int = logging.INFO, rank: str = "") -> None:
+    """Log to stderr with timestamps (metrics and counts only, never data); ``rank`` prefixes each line."""
     logging.basicConfig(
         stream=sys.stderr,
         level=level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s {rank}%(levelname)s %(name)s: %(message)s",
     )
 
 
@@ -44,10 +44,17 @@ def main() -> None:
 @click.argument("spec_path", type=click.Path(dir_okay=False, path_type=Path))
 def run_cmd(spec_path: Path) -> None:
     """Run (or resume) the training job described by SPEC_PATH; exit code per trainer.exitcodes."""
+    from trainer.distributed import World
     from trainer.jobenv import attempt_number
     from trainer.spec import load_spec
 
-    setup_logging()
+    try:
+        world = World.from_env()
+    except ValueError as e:
+        setup_logging()
+        logging.getLogger("trainer").error("%s", e)
+        sys.exit(exitcodes.INTERNAL)
+    setup_logging(rank=f"rank {world.rank}/{world.size} " if world.size > 1 else "")
     try:
         spec = load_spec(spec_path)
     except TrainerError as e:
@@ -61,7 +68,7 @@ def run_cmd(spec_path: Path) -> None:
     from trainer.recipe import run_job
 
     try:
-        code = run_job(spec, attempt)
+        code = run_job(spec, attempt, world=world)
     except OSError as e:  # e.g. job_dir not writable: nothing else can be reported
         logging.getLogger("trainer").error("cannot use job_dir %s: %s", spec.job_dir, e.strerror)
         code = exitcodes.INTERNAL

@@ -34,3 +34,11 @@ class CheckpointError(TrainerError):
 
 class GpuUnavailableError(TrainerError):
     """The spec asks for CUDA (``device: "cuda"``) but this node cannot use it."""
+
+
+class LaunchError(TrainerError):
+    """The processes launched do not match the spec (``world_size``) or cannot reach each other."""
+
+
+class PeerError(TrainerError):
+    """A collective with the other ranks failed: one of them died, or did not answer within the timeout."""

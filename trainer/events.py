@@ -29,13 +29,18 @@ def _clean(value: Any) -> Any:
 
 
 class EventLog:
-    """Writer of ``events.jsonl`` for one attempt of one job."""
+    """Writer of ``events.jsonl`` for one attempt of one job.
 
-    def __init__(self, path: str | Path, attempt: int, job_id: str | None = None) -> None:
+    ``write=False`` (data-parallel ranks other than 0): events are built and
+    returned but the file is neither created nor written.
+    """
+
+    def __init__(self, path: str | Path, attempt: int, job_id: str | None = None, write: bool = True) -> None:
         self.path = Path(path)
         self.attempt = attempt
         self.job_id = job_id
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self.write = write
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600) if write else -1
 
     def emit(self, type_: str, **fields: Any) -> dict[str, Any]:
         """Append one event and fsync it; return the event written.
@@ -55,8 +60,9 @@ class EventLog:
             event["job_id"] = self.job_id
         event.update({k: _clean(v) for k, v in fields.items()})
         line = (json.dumps(event, separators=(",", ":"), allow_nan=False) + "\n").encode()
-        os.write(self._fd, line)
-        os.fsync(self._fd)
+        if self.write:
+            os.write(self._fd, line)
+            os.fsync(self._fd)
         return event
 
     def phase(self, name: str) -> None:

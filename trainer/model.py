@@ -160,7 +160,9 @@ def load_base_model(path: str | Path, device: str | None = None, max_seq_len: in
         bnb_4bit_compute_dtype=compute,
     )
     attention = attention_implementation(device, max_seq_len)
-    load = {"quantization_config": quant, "dtype": compute, "device_map": {"": 0} if cuda else "cpu"}
+    # the current device: cuda:<local rank> on a data-parallel rank (trainer.distributed), else 0
+    load = {"quantization_config": quant, "dtype": compute,
+            "device_map": {"": torch.cuda.current_device()} if cuda else "cpu"}
     try:
         model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attention, **load)
     except ValueError as e:  # an architecture that takes no custom attention function
@@ -331,16 +333,20 @@ def row_loss(model: Any, row: Row, chunk: int = LOGIT_CHUNK) -> tuple[torch.Tens
     return loss, len(keep), correct
 
 
-def accumulate_gradients(model: Any, rows: list[Row]) -> tuple[float, int]:
+def accumulate_gradients(model: Any, rows: list[Row], total: int | None = None) -> tuple[float, int]:
     """Forward and backward each row (micro-batch) of one optimizer step.
 
-    Each row's summed loss is divided by the trained tokens of the whole step,
-    so the accumulated gradients are those of the step's token-mean loss (one
-    large batch). Returns (that mean loss, trained tokens of the step).
+    Each row's summed loss is divided by ``total``, the trained tokens of the
+    whole step (default: those of ``rows``), so the accumulated gradients are
+    those of the step's token-mean loss (one large batch). Data parallel: each
+    rank passes its own rows and the step's ``total`` over all ranks, and the
+    sum over ranks of the gradients (and of the returned losses) is the step's.
+    Returns (these rows' summed loss / ``total``, ``total``).
     """
     import torch
 
-    total = sum(row.n_targets for row in rows)
+    if total is None:
+        total = sum(row.n_targets for row in rows)
     losses = []
     for row in rows:
         loss, trained, _ = row_loss(model, row)
@@ -350,31 +356,48 @@ def accumulate_gradients(model: Any, rows: list[Row]) -> tuple[float, int]:
     return float(torch.stack(losses).sum()) / max(total, 1) if losses else 0.0, total
 
 
-def evaluate(
-    model: Any, examples: list[Example], row_tokens: int, check: Callable[[], None] | None = None
-) -> dict[str, float]:
-    """Token-weighted loss, perplexity and token accuracy over ``examples``, packed in rows of ``row_tokens``."""
+def eval_sums(
+    model: Any, rows: list[Row], check: Callable[[], None] | None = None
+) -> tuple[float, int, int]:
+    """Return (summed loss, trained tokens, correct argmaxes) over packed ``rows``, without gradients.
+
+    ``check`` runs before each row (a signal may interrupt a long eval). Data
+    parallel: each rank sums its share of the rows and the sums are added up.
+    """
     import torch
 
     total, tokens, correct = 0.0, 0, 0
     model.eval()
     try:
         with torch.no_grad():
-            for row in micro_batches(examples, row_tokens):
+            for row in rows:
                 if check is not None:
-                    check()  # lets a signal interrupt a long eval
+                    check()
                 loss, n, ok = row_loss(model, row)
                 total, tokens, correct = total + float(loss), tokens + n, correct + int(ok)
     finally:
         model.train()
+    return total, tokens, correct
+
+
+def eval_metrics(total: float, tokens: int, correct: int, examples: int) -> dict[str, float]:
+    """Return the eval record (token-weighted loss, perplexity, token accuracy, counts) of :func:`eval_sums`."""
     mean = total / max(tokens, 1)
     return {
         "loss": mean,
         "perplexity": math.exp(min(mean, 50.0)),
         "token_accuracy": correct / max(tokens, 1),
         "tokens": tokens,
-        "examples": len(examples),
+        "examples": examples,
     }
+
+
+def evaluate(
+    model: Any, examples: list[Example], row_tokens: int, check: Callable[[], None] | None = None
+) -> dict[str, float]:
+    """Token-weighted loss, perplexity and token accuracy over ``examples``, packed in rows of ``row_tokens``."""
+    sums = eval_sums(model, micro_batches(examples, row_tokens), check)
+    return eval_metrics(*sums, len(examples))
 
 
 def trainable_state(model: Any) -> dict[str, torch.Tensor]:

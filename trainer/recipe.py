@@ -16,6 +16,15 @@ surprise more than a first eval that is already worse than the base.
 
 Signals: SIGUSR1 -> finish the step, checkpoint, exit 75 (requeue);
 SIGTERM -> finish the step, checkpoint, exit 143, never COMPLETE.
+
+Data parallel (``world_size`` > 1, :mod:`trainer.distributed`): the same
+recipe runs on every rank. A step's rows are dealt out round-robin and the
+LoRA gradients summed after backward, so steps, losses and updates are those
+of one process. Ranks agree (a collective) on every stop check, so they stop
+after the same step; evals are sharded and their sums added up, so every
+rank takes the same early-stopping decisions. Rank 0 alone writes events,
+checkpoints and the staging directory; every checkpoint is followed by a
+barrier. With one rank every collective is a no-op.
 """
 
 from __future__ import annotations
@@ -40,13 +49,22 @@ from trainer import checkpoint as ckpt
 from trainer import early_signals, exitcodes
 from trainer.catalog import resolve
 from trainer.data import holdout_split, read_conversations, tokenize_all, verify_sha256
-from trainer.errors import CheckpointError, DatasetError, GpuUnavailableError, ModelDigestError, TrainerError
+from trainer.distributed import World, dropout_seed
+from trainer.errors import (
+    CheckpointError,
+    DatasetError,
+    GpuUnavailableError,
+    ModelDigestError,
+    PeerError,
+    TrainerError,
+)
 from trainer.events import EventLog
 from trainer.model import (
     accumulate_gradients,
     add_lora,
     compile_layers,
-    evaluate,
+    eval_metrics,
+    eval_sums,
     load_base_model,
     lr_lambda,
     resolve_device,
@@ -123,20 +141,22 @@ def improves(loss: float, best: float | None, min_delta: float) -> bool:
 
 
 class Recipe:
-    """One attempt of one job; ``run_job`` calls its phases in order."""
+    """One attempt of one job (on one rank: ``world``, default a single process); ``run_job`` calls its phases."""
 
-    def __init__(self, spec: JobSpec, attempt: int, stop: StopFlag) -> None:
+    def __init__(self, spec: JobSpec, attempt: int, stop: StopFlag, world: World | None = None) -> None:
         self.spec = spec
         self.hp = spec.hyperparameters
         self.attempt = attempt
         self.stop = stop
+        self.world = world or World()
         self.spec_hash = spec_hash(spec)
         self.job_dir = Path(spec.job_dir)
         self.checkpoints = self.job_dir / "checkpoints"
         self.staging = self.job_dir / "attempts" / str(attempt) / "staging"
-        self.job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.checkpoints.mkdir(mode=0o700, exist_ok=True)
-        self.events = EventLog(self.job_dir / "events.jsonl", attempt, spec.job_id)
+        if self.world.is_main:  # the only rank that writes anything
+            self.job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.checkpoints.mkdir(mode=0o700, exist_ok=True)
+        self.events = EventLog(self.job_dir / "events.jsonl", attempt, spec.job_id, write=self.world.is_main)
         self.progress = Progress()
         self.last_checkpoint_step = -1
         self.best_adapter: dict[str, Any] | None = None  # CPU copies of the best eval's LoRA tensors
@@ -176,16 +196,19 @@ class Recipe:
         _exit_now(exitcodes.CANCELLED)
 
     def _setup(self) -> None:
+        self.world.check_size(self.spec.world_size)
         model_path = self.verify_inputs()  # input errors first: they are permanent, a broken GPU may not be
+        self.world.select_gpu(self.spec.device)  # before any CUDA context: cuda:<local rank>
         self.device = resolve_device(self.spec.device)  # before tokenizing and loading
-        self.stop.check()
+        self.world.connect(self.device)
+        self.check_stop()
         self.events.phase("tokenizing")
         import torch
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.train_examples, self.val_examples = self._load_examples()
-        self.stop.check()
+        self.check_stop()
         self.steps = [
             (epoch, step)
             for epoch, steps in enumerate(
@@ -212,6 +235,17 @@ class Recipe:
         )
         random.seed(self.hp.seed)
         self.resume()
+        if not self.world.all_equal(self.last_checkpoint_step):
+            raise CheckpointError(
+                f"rank {self.world.rank} resumed from step {max(self.last_checkpoint_step, 0)} but another rank "
+                "from another step (a checkpoint unreadable on some node?): refusing to train diverged ranks"
+            )
+
+    def check_stop(self) -> None:
+        """Raise :class:`Stop` when a signal arrived (on any rank: every rank calls this at the same points)."""
+        signum = self.world.agree_stop(self.stop.signum)
+        if signum is not None:
+            raise Stop(signum)
 
     def _load_examples(self) -> tuple[list[Example], list[Example]]:
         max_len = self.hp.max_seq_len
@@ -227,7 +261,7 @@ class Recipe:
         import torch
         from safetensors.torch import load as load_safetensors
 
-        removed = ckpt.clean_leftovers(self.checkpoints)
+        removed = ckpt.clean_leftovers(self.checkpoints) if self.world.is_main else []
         if removed:
             log.info("removed %d incomplete checkpoint entries", len(removed))
         for step in reversed(ckpt.complete_steps(self.checkpoints)):
@@ -252,6 +286,7 @@ class Recipe:
                     named[name].copy_(value)
             self.optimizer.load_state_dict(tensors["optimizer"])
             self.scheduler.load_state_dict(tensors["scheduler"])
+            # rank 0's; with several ranks, dropout_seed reseeds every step anyway
             torch.set_rng_state(tensors["rng_cpu"])
             if torch.cuda.is_available() and "rng_cuda" in tensors:
                 torch.cuda.set_rng_state_all(tensors["rng_cuda"])
@@ -306,16 +341,27 @@ class Recipe:
             progress.metrics.append(metric)
             self.events.emit("metrics", total_steps=self.total_steps, **metric)
             self._step_eval()
-            if self.stop.signum is not None:  # the only place a signal takes effect mid-training
-                raise Stop(self.stop.signum)
+            self.check_stop()  # the only place a signal takes effect mid-training
             if progress.step % self.spec.checkpoint_every_steps == 0:
                 self.save_checkpoint()
 
     def optimizer_step(self, rows: list[Row]) -> tuple[float, int]:
-        """One step over its micro-batch rows (gradients accumulated); returns (token-mean loss, trained tokens)."""
+        """One step over its micro-batch rows (gradients accumulated); returns (token-mean loss, trained tokens).
+
+        Data parallel: this rank runs rows ``rank, rank + size, ...``, each divided
+        by the step's trained tokens over all rows, then the gradients and the
+        loss are summed over ranks (identical on every rank) before clipping.
+        """
         import torch
 
-        loss, trained = accumulate_gradients(self.model, rows)
+        world = self.world
+        total = sum(row.n_targets for row in rows)
+        if world.size > 1:  # ranks drop different units; a resume redraws the same masks (no RNG state needed)
+            torch.manual_seed(dropout_seed(self.hp.seed, world.rank, self.progress.step))
+        loss, trained = accumulate_gradients(self.model, rows[world.rank :: world.size], total)
+        if total:  # a step without trained tokens leaves every gradient None, on every rank
+            world.sum_gradients(self.params)
+        (loss,) = world.sum_floats([loss])
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.optimizer.step()
         self.scheduler.step()
@@ -371,7 +417,13 @@ class Recipe:
         """Evaluate the model now; ``step`` is the step its weights come from (default: now)."""
         self.events.phase("evaluating")
         result = {"when": when, "step": self.progress.step if step is None else step}
-        result.update(evaluate(self.model, self.val_examples, self.hp.max_seq_len, self.stop.check))
+        rows = micro_batches(self.val_examples, self.hp.max_seq_len)
+        mine = rows[self.world.rank :: self.world.size]
+        sums = eval_sums(self.model, mine, self.check_stop)
+        for _ in range(-(-len(rows) // self.world.size) - len(mine)):
+            self.check_stop()  # as many stop agreements as the ranks with one row more
+        total, tokens, correct = self.world.sum_floats(list(sums))
+        result.update(eval_metrics(total, int(tokens), int(correct), len(self.val_examples)))
         self.progress.evals.append(result)
         self.events.emit("eval", **result)
         log.info("eval %s step %d: loss %.4f", when, result["step"], result["loss"])
@@ -381,23 +433,33 @@ class Recipe:
 
     # -- checkpoints -----------------------------------------------------------
 
-    def save_checkpoint(self) -> Path | None:
-        """Write ``checkpoints/step-<n>`` atomically, then keep only the newest K.
+    def save_checkpoint(self, sync: bool = True) -> Path | None:
+        """Write ``checkpoints/step-<n>`` atomically, then keep only the newest K; return its path.
 
         With early stopping each one also holds the best adapter so far (``best.safetensors``).
+        Data parallel: rank 0 writes (its state is the whole, replicated state;
+        other ranks return None), then, with ``sync``, every rank waits for it,
+        so no rank runs more than one step ahead of a durable checkpoint.
         """
-        import torch
-        from safetensors.torch import save as save_safetensors
-
         step = self.progress.step
         if step == self.last_checkpoint_step or step == 0:
             return None
+        path = self._write_checkpoint(step) if self.world.is_main else None
+        self.last_checkpoint_step = step  # on every rank: they return early at the same steps
+        if sync:
+            self.world.barrier()
+        return path
+
+    def _write_checkpoint(self, step: int) -> Path:
+        import torch
+        from safetensors.torch import save as save_safetensors
+
         tensors: dict[str, Any] = {
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "rng_cpu": torch.get_rng_state(),
         }
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and self.world.size == 1:  # several ranks: every visible GPU's would be read
             tensors["rng_cuda"] = torch.cuda.get_rng_state_all()
         buffer = io.BytesIO()
         torch.save(tensors, buffer)
@@ -421,7 +483,7 @@ class Recipe:
         if self.best_adapter is not None:  # inside each checkpoint: pruning never loses it
             files["best.safetensors"] = save_safetensors(self.best_adapter)
         path = ckpt.write_complete_dir(ckpt.step_dir(self.checkpoints, step), files)
-        self.last_checkpoint_step = step
+        self.last_checkpoint_step = step  # durable now, whatever pruning or the event meet
         pruned = ckpt.prune(self.checkpoints, self.spec.keep_checkpoints)
         self.events.emit("checkpoint", step=step, path=f"checkpoints/{path.name}", pruned=pruned)
         return path
@@ -433,10 +495,30 @@ class Recipe:
 
         With early stopping the best eval's adapter is loaded back first, so the
         "after" eval and the published adapter are those of ``best_step``.
+        Data parallel: every rank evaluates its share, rank 0 alone writes; the
+        ranks agree on a signal before and after COMPLETE, as one process checks its own.
         """
         published = self._load_best()
         after = self._eval("after", published)
         self.events.phase("saving")
+        if self.world.is_main:
+            self._write_staging(after)
+        self.check_stop()  # a cancel that arrived by now must never publish
+        if self.world.is_main:
+            digest = hashlib.sha256((self.staging / "manifest.json").read_bytes()).hexdigest()
+            ckpt.write_durable(self.staging / ckpt.COMPLETE, f"manifest sha256:{digest}\n".encode())
+            ckpt.fsync_dir(self.staging)
+        # a SIGTERM that arrived while COMPLETE was being written; with several ranks this collective
+        # is also the final barrier: no rank returns before rank 0 has published
+        if self.world.agree_stop(self.stop.signum) == signal.SIGTERM:
+            if self.world.is_main:
+                (self.staging / ckpt.COMPLETE).unlink()
+                ckpt.fsync_dir(self.staging)
+            raise Stop(signal.SIGTERM)
+        return self.staging
+
+    def _write_staging(self, after: dict[str, Any]) -> None:
+        """Everything of the staging directory but COMPLETE, each file fsynced."""
         self.staging.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         if self.staging.exists():
             ckpt.remove_dir(self.staging)
@@ -466,15 +548,6 @@ class Recipe:
             with open(self.staging / name, "rb") as f:
                 os.fsync(f.fileno())
         ckpt.fsync_dir(self.staging)
-        self.stop.check()  # a cancel that arrived by now must never publish
-        digest = hashlib.sha256((self.staging / "manifest.json").read_bytes()).hexdigest()
-        ckpt.write_durable(self.staging / ckpt.COMPLETE, f"manifest sha256:{digest}\n".encode())
-        ckpt.fsync_dir(self.staging)
-        if self.stop.signum == signal.SIGTERM:  # arrived while COMPLETE was being written
-            (self.staging / ckpt.COMPLETE).unlink()
-            ckpt.fsync_dir(self.staging)
-            self.stop.check()
-        return self.staging
 
     def _load_best(self) -> int:
         """Put the best adapter back into the model (early stopping); return the step it is from."""
@@ -541,16 +614,18 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def run_job(spec: JobSpec, attempt: int, fast_exit: bool = True) -> int:
-    """Run one attempt of a job; return the exit code (see ``trainer.exitcodes``).
+def run_job(spec: JobSpec, attempt: int, fast_exit: bool = True, world: World | None = None) -> int:
+    """Run one attempt of a job on this rank of ``world`` (default: one process); return the exit code.
 
-    On SIGUSR1/SIGTERM it checkpoints and, with ``fast_exit``, leaves through
-    ``os._exit`` right after everything is fsynced.
+    Exit codes: see ``trainer.exitcodes``; every rank of a data-parallel run
+    returns the same one unless a rank fails. On SIGUSR1/SIGTERM it checkpoints
+    and, with ``fast_exit``, leaves through ``os._exit`` right after everything
+    is fsynced.
     """
     stop = StopFlag()
     stop.install()
-    recipe = Recipe(spec, attempt, stop)
-    log.info("attempt %d of job %s, spec %s", attempt, spec.job_id or "-", recipe.spec_hash)
+    recipe = Recipe(spec, attempt, stop, world)
+    log.info("attempt %d of job %s, spec %s, %r", attempt, spec.job_id or "-", recipe.spec_hash, recipe.world)
     if (recipe.staging / ckpt.COMPLETE).is_file():
         log.info("attempt %d already complete; nothing to do", attempt)
         recipe.events.emit("done", step=None, already_complete=True)
@@ -564,6 +639,7 @@ def run_job(spec: JobSpec, attempt: int, fast_exit: bool = True) -> int:
         recipe.finalize()
         recipe.events.emit("done", step=recipe.progress.step, path=str(recipe.staging.relative_to(recipe.job_dir)))
         log.info("done: %d steps, outputs in %s", recipe.progress.step, recipe.staging)
+        recipe.world.close()
         code = exitcodes.OK
     except Stop as s:
         code = _stop(recipe, s)
@@ -600,9 +676,9 @@ def _storage_full(recipe: Recipe) -> None:
 
 
 def _stop(recipe: Recipe, s: Stop) -> int:
-    """Checkpoint what exists (if the model is loaded) and record the stop."""
+    """Checkpoint what exists (if the model is loaded) and record the stop; every rank, the same ``s``."""
     if hasattr(recipe, "optimizer"):
-        recipe.save_checkpoint()
+        recipe.save_checkpoint(sync=False)  # the one barrier below
     saved = recipe.last_checkpoint_step if recipe.last_checkpoint_step > 0 else None
     waited = time.monotonic() - recipe.stop.received_at if recipe.stop.received_at else None
     recipe.events.emit(
@@ -614,4 +690,10 @@ def _stop(recipe: Recipe, s: Stop) -> int:
         signal_to_exit_s=round(waited, 3) if waited is not None else None,
     )
     log.info("%s: stopped at step %d, exit %d", signal.Signals(s.signum).name, recipe.progress.step, s.exit_code)
+    try:
+        # no rank leaves before rank 0 is done: srun --kill-on-bad-exit would kill it mid-checkpoint
+        recipe.world.barrier()
+        recipe.world.close()
+    except PeerError as e:  # rank 0's checkpoint is written either way
+        log.warning("%s", e)
     return s.exit_code

@@ -140,6 +140,10 @@ class JobSpec(_Strict):
     ``device``: ``"cuda"`` (the job was given a GPU: fail at once, exit
     ``GPU_UNAVAILABLE``, if CUDA is not usable rather than train on the CPU),
     ``"cpu"`` (never use a GPU) or ``"auto"`` (CUDA when available, else CPU).
+
+    ``world_size``: the number of data-parallel ranks (one process per GPU) the job
+    is launched with; the trainer refuses a launch with another number. Steps, data
+    order and checkpoints do not depend on it (see ``trainer.distributed``).
     """
 
     version: Literal[1] = 1
@@ -154,6 +158,7 @@ class JobSpec(_Strict):
     keep_checkpoints: Annotated[int, Field(ge=1, le=100)] = 2
     world_size: Annotated[int, Field(ge=1, le=1024)] = 1
     device: Literal["auto", "cuda", "cpu"] = "auto"
+    world_size: Annotated[int, Field(ge=1, le=1024)] = 1
 
 
 def _model_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel] | None:

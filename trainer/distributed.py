@@ -1,0 +1,266 @@
+"""Data parallelism: one trainer process (rank) per GPU, LoRA gradients summed across ranks.
+
+A multi-GPU job is one srun step with one task per GPU; each task runs
+``python -m trainer run spec.json`` and learns its place from the environment
+(:func:`trainer.jobenv.world_env`). Every rank holds the whole model and the
+whole (replicated) LoRA and optimizer state; each optimizer step's micro-batch
+rows are dealt out round-robin, every rank backpropagates its rows' summed
+loss divided by the step's trained tokens over *all* ranks, and one all-reduce
+SUM of the LoRA gradients gives every rank the gradient one process would
+have computed (up to float summation order). No DDP wrapper: LoRA gradients
+are small, and a manual all-reduce after backward works with peft and
+gradient checkpointing alike.
+
+With one rank (every job before data parallelism) nothing here imports
+``torch.distributed`` and every helper returns at once: today's behaviour
+exactly. With several, a collective that waits longer than
+:data:`TIMEOUT_S` (``SFT_DIST_TIMEOUT_S``) for a rank, or finds one gone,
+raises :class:`~trainer.errors.PeerError`, so no rank hangs forever on a dead
+peer (srun ``--kill-on-bad-exit`` ends the others anyway).
+
+Dropout: every rank reseeds torch's RNG before each optimizer step with
+:func:`dropout_seed` of ``(seed, rank, step)``, so ranks drop different units,
+and a resumed run draws exactly the masks of an uninterrupted run of the same
+world size without any rank's RNG state in the checkpoint. Runs of different
+world sizes draw different masks (compare them with ``lora_dropout`` 0).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import signal
+from typing import TYPE_CHECKING, Any
+
+from trainer.errors import LaunchError, PeerError
+
+if TYPE_CHECKING:
+    import torch
+
+TIMEOUT_S = 300.0
+"""How long a collective waits for the other ranks (setup skew, rank 0 writing a checkpoint) before failing."""
+
+_STOP_CODES: dict[int, int] = {signal.SIGUSR1.value: 1, signal.SIGTERM.value: 2}  # MAX: a cancel beats a requeue
+_STOP_SIGNALS = {code: signum for signum, code in _STOP_CODES.items()}
+
+
+def dropout_seed(seed: int, rank: int, step: int) -> int:
+    """Return the torch seed of ``rank`` before optimizer step ``step`` (0-based): a 63-bit hash, no state."""
+    digest = hashlib.sha256(f"dropout:{seed}:{rank}:{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+class World:
+    """This process's place among the ranks of one run, and the collectives they share.
+
+    ``World()`` is a single process: every collective is a no-op returning its input.
+    """
+
+    def __init__(
+        self, rank: int = 0, size: int = 1, local_rank: int = 0, source: str = "a single process",
+        timeout_s: float = TIMEOUT_S,
+    ) -> None:
+        self.rank = rank
+        self.size = size
+        self.local_rank = local_rank
+        self.source = source  # the variable the size came from, for the mismatch message
+        self.timeout_s = timeout_s
+        self._dist: Any = None  # torch.distributed once connected
+        self._device: Any = None  # where the collectives' buffers live (cuda:<local> with NCCL)
+
+    @classmethod
+    def from_env(cls) -> World:
+        """Return the world described by the job environment (see :func:`trainer.jobenv.world_env`).
+
+        Raises:
+            ValueError: a rank variable or ``SFT_DIST_TIMEOUT_S`` is invalid.
+        """
+        from trainer.jobenv import dist_timeout_s, world_env
+
+        rank, size, local_rank, source = world_env()
+        return cls(rank, size, local_rank, source, dist_timeout_s(TIMEOUT_S))
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the only rank that writes events, checkpoints and the staging directory."""
+        return self.rank == 0
+
+    def __repr__(self) -> str:
+        return f"World(rank={self.rank}, size={self.size}, local_rank={self.local_rank})"
+
+    def check_size(self, wanted: int) -> None:
+        """Refuse a launch whose number of ranks is not the spec's ``world_size``.
+
+        Raises:
+            LaunchError: the sizes differ (names the variable the launched size came from).
+        """
+        if wanted != self.size:
+            raise LaunchError(
+                f"spec asks for {wanted} ranks, this run has {self.size} ({self.source}): "
+                "launch one task per rank (srun --ntasks-per-node) or fix world_size in the spec"
+            )
+
+    def select_gpu(self, requested: str) -> None:
+        """Make ``cuda:<local rank>`` this rank's device before anything touches CUDA (several ranks only).
+
+        With one visible GPU per task (Slurm's binding) that is device 0. Nothing for
+        ``device: "cpu"`` or without CUDA (``resolve_device`` then decides).
+
+        Raises:
+            LaunchError: the local rank has no GPU of its own among the visible ones.
+        """
+        if self.size == 1 or requested == "cpu":
+            return
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        count = torch.cuda.device_count()
+        index = 0 if count == 1 else self.local_rank
+        if index >= count:
+            from trainer.jobenv import gpu_environment
+
+            raise LaunchError(
+                f"local rank {self.local_rank} has no GPU: {count} visible ({gpu_environment()}); "
+                "give each task its own GPU (one task per GPU)"
+            )
+        torch.cuda.set_device(index)
+
+    def connect(self, device: str) -> None:
+        """Join the other ranks (NCCL on ``"cuda"``, else gloo; ``env://`` rendezvous at rank 0).
+
+        Raises:
+            LaunchError: ``MASTER_ADDR``/``MASTER_PORT`` are unset.
+            PeerError: the other ranks did not all arrive within the timeout.
+        """
+        if self.size == 1 or self._dist is not None:
+            return
+        from trainer.jobenv import rendezvous_missing
+
+        missing = rendezvous_missing()
+        if missing:
+            raise LaunchError(
+                f"{' and '.join(missing)} unset: a run of {self.size} ranks needs rank 0's address "
+                "(the batch script exports MASTER_ADDR and MASTER_PORT)"
+            )
+        import torch
+        import torch.distributed as dist
+
+        backend = "nccl" if device == "cuda" else "gloo"
+        try:
+            dist.init_process_group(
+                backend, init_method="env://", rank=self.rank, world_size=self.size,
+                timeout=datetime.timedelta(seconds=self.timeout_s),
+            )
+        except (RuntimeError, ValueError) as e:
+            raise self._peer_error("init_process_group", e) from e
+        self._dist = dist
+        self._device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+
+    def _peer_error(self, what: str, e: BaseException) -> PeerError:
+        lines = str(e).strip().splitlines()
+        first = lines[0][:200] if lines else type(e).__name__  # torch/gloo/NCCL text: addresses, no data
+        return PeerError(
+            f"{what} failed on rank {self.rank} of {self.size}: another rank died or did not answer within "
+            f"{self.timeout_s:g} s ({type(e).__name__}: {first}); see the other ranks' logs"
+        )
+
+    def _all_reduce(self, what: str, tensor: torch.Tensor, op: str = "SUM") -> None:
+        if self._dist is None:
+            raise PeerError(f"{what} on rank {self.rank} of {self.size} before the ranks connected")
+        try:
+            self._dist.all_reduce(tensor, op=getattr(self._dist.ReduceOp, op))
+        except (RuntimeError, ValueError) as e:  # gloo: peer gone at once; gloo/NCCL: timeout
+            raise self._peer_error(what, e) from e
+
+    def sum_gradients(self, params: list[Any]) -> None:
+        """All-reduce SUM the ``.grad`` of ``params`` in place: one flat buffer, one collective per dtype.
+
+        A parameter without a gradient counts as zeros; it keeps ``grad = None``
+        only where no rank had one (as one process would leave it).
+
+        Raises:
+            PeerError: see :meth:`connect`.
+        """
+        if self.size == 1:
+            return
+        import torch
+
+        groups: dict[Any, list[Any]] = {}
+        for p in params:
+            groups.setdefault(p.dtype, []).append(p)
+        for dtype, group in groups.items():
+            parts = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in group]
+            flags = torch.tensor([p.grad is not None for p in group], dtype=dtype, device=parts[0].device)
+            buffer = torch.cat([*parts, flags])
+            self._all_reduce("gradient all-reduce", buffer)
+            offset = 0
+            for p, had in zip(group, buffer[-len(group):].tolist(), strict=True):
+                summed = buffer[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if p.grad is not None:
+                    p.grad.copy_(summed)
+                elif had:
+                    p.grad = summed.clone()
+
+    def sum_floats(self, values: list[float]) -> list[float]:
+        """Return the element-wise sum over ranks of ``values`` (float64; exact for integers < 2**53).
+
+        Raises:
+            PeerError: see :meth:`connect`.
+        """
+        if self.size == 1:
+            return values
+        import torch
+
+        buffer = torch.tensor(values, dtype=torch.float64, device=self._device)
+        self._all_reduce("sum", buffer)
+        return [float(v) for v in buffer.tolist()]
+
+    def agree_stop(self, signum: int | None) -> int | None:
+        """Return the stop signal all ranks act on: the MAX over ranks (SIGTERM beats SIGUSR1), or None.
+
+        Every rank calls it at the same points, so all stop after the same step.
+
+        Raises:
+            PeerError: see :meth:`connect`.
+        """
+        if self.size == 1:
+            return signum
+        import torch
+
+        code = torch.tensor([0 if signum is None else _STOP_CODES.get(signum, 0)], device=self._device)
+        self._all_reduce("stop agreement", code, "MAX")
+        return _STOP_SIGNALS.get(int(code.item()))
+
+    def all_equal(self, value: int) -> bool:
+        """Return whether every rank passed the same ``value`` (MIN == MAX over ranks).
+
+        Raises:
+            PeerError: see :meth:`connect`.
+        """
+        if self.size == 1:
+            return True
+        import torch
+
+        pair = torch.tensor([value, -value], device=self._device)
+        self._all_reduce("agreement", pair, "MAX")
+        return int(pair[0].item()) == -int(pair[1].item())
+
+    def barrier(self) -> None:
+        """Wait until every rank got here (a one-element all-reduce; NCCL and gloo alike).
+
+        Raises:
+            PeerError: see :meth:`connect`.
+        """
+        if self.size == 1 or self._dist is None:
+            return
+        import torch
+
+        self._all_reduce("barrier", torch.zeros(1, device=self._device))
+
+    def close(self) -> None:
+        """Leave the process group (after the last barrier; a run that failed just exits)."""
+        if self._dist is not None and self._dist.is_initialized():
+            self._dist.destroy_process_group()
+        self._dist = None
