@@ -21,6 +21,10 @@ MODEL_ERROR = 78
 GPU_UNAVAILABLE = 69
 """EX_UNAVAILABLE: the spec says ``device: "cuda"`` but CUDA is not usable on this node (refused before loading)."""
 
+PEER_LOST = 76
+"""EX_PROTOCOL: a collective with the other ranks failed (one died or timed out): the gang's batch
+script requeues the job (a bounded number of times) and the next attempt resumes."""
+
 REQUEUE = 75
 """EX_TEMPFAIL: SIGUSR1 (time limit near) -> checkpoint written, requeue me."""
 

@@ -604,6 +604,7 @@ _EXIT_FOR: list[tuple[type[TrainerError], int, str]] = [
     (DatasetError, exitcodes.USER_ERROR, "user_error"),
     (ModelDigestError, exitcodes.MODEL_ERROR, "model_error"),
     (GpuUnavailableError, exitcodes.GPU_UNAVAILABLE, "gpu_unavailable"),
+    (PeerError, exitcodes.PEER_LOST, "peer_lost"),
 ]
 
 

@@ -156,7 +156,6 @@ class JobSpec(_Strict):
     job_dir: Annotated[str, Field(min_length=1)]
     checkpoint_every_steps: Annotated[int, Field(ge=1, le=10_000_000)] = 100
     keep_checkpoints: Annotated[int, Field(ge=1, le=100)] = 2
-    world_size: Annotated[int, Field(ge=1, le=1024)] = 1
     device: Literal["auto", "cuda", "cpu"] = "auto"
     world_size: Annotated[int, Field(ge=1, le=1024)] = 1
 

@@ -119,6 +119,8 @@ class SlurmView:
 # trainer exit codes (trainer/exitcodes.py) → failure reasons
 _EXIT_REASONS = {65: (FailReason.USER_ERROR, "the dataset or job spec was rejected by the trainer"),
                  78: (FailReason.USER_ERROR, "the base model is missing or does not match its digest"),
+                 76: (FailReason.NODE_FAIL, "a rank of the job was lost (a process died or a node failed) "
+                                            "more often than the requeue limit allows"),
                  69: (FailReason.NODE_FAIL, "the node's GPU is not usable (CUDA unavailable): nothing was "
                                             "trained; submit the job again"),
                  143: (FailReason.INTERNAL, "the trainer was stopped by a signal")}

@@ -317,13 +317,14 @@ def test_attempt_number(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_exit_codes_contract() -> None:
-    assert (exitcodes.OK, exitcodes.REQUEUE, exitcodes.CANCELLED) == (0, 75, 143)
+    assert (exitcodes.OK, exitcodes.REQUEUE, exitcodes.CANCELLED, exitcodes.PEER_LOST) == (0, 75, 143, 76)
     codes = [
         exitcodes.OK,
         exitcodes.INTERNAL,
         exitcodes.USER_ERROR,
         exitcodes.MODEL_ERROR,
         exitcodes.GPU_UNAVAILABLE,
+        exitcodes.PEER_LOST,
         exitcodes.REQUEUE,
         exitcodes.CANCELLED,
     ]

@@ -91,6 +91,7 @@ def test_a_cancelled_job_can_never_succeed() -> None:
     ("FAILED", 65, True, E.ERROR, FailReason.USER_ERROR),
     ("FAILED", 78, True, E.ERROR, FailReason.USER_ERROR),
     ("FAILED", 69, True, E.ERROR, FailReason.NODE_FAIL),      # a GPU was promised, CUDA not usable
+    ("FAILED", 76, True, E.ERROR, FailReason.NODE_FAIL),      # a gang lost ranks past its requeue limit
     ("FAILED", 1, True, E.ERROR, FailReason.INTERNAL),
     ("SOMETHING_NEW", None, True, None, None),
 ])
