@@ -91,8 +91,11 @@ def _gang(job: JobScript) -> dict[str, str]:
     return {
         "tasks_lines": f"#SBATCH --nodes={nodes}\n#SBATCH --ntasks-per-node={per_node}\n",
         "gang_lines": (
-            "# a gang: the ranks meet on the first node; each reads its rank from SLURM_PROCID\n"
-            'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
+            "# a gang: the ranks meet on the first node (at its NodeAddr: a node name need not resolve);\n"
+            "# each reads its rank from SLURM_PROCID\n"
+            'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
+            'MASTER_ADDR=$(scontrol show node "$head_node" | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\' | head -n 1)\n'
+            'MASTER_ADDR=${MASTER_ADDR:-$head_node}\n'
             f"MASTER_PORT=$(( {GANG_PORT_BASE} + SLURM_JOB_ID % 20000 ))\n"
             "export MASTER_ADDR MASTER_PORT\n"
         ),
