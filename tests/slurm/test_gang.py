@@ -49,7 +49,7 @@ def _sacct(slurm_id: int, field: str) -> str:
 
 
 def _ranks(user: str) -> list[int]:
-    done = subprocess.run(["pgrep", "-u", user, "-f", "-x", ".*python -m trainer run .*"],
+    done = subprocess.run(["pgrep", "-u", user, "-f", "-x", r"\S*/python3? -m trainer run .*"],  # not srun
                           capture_output=True, text=True, check=False)
     return [int(p) for p in done.stdout.split()]
 
@@ -64,8 +64,8 @@ def test_two_node_job_trains_publishes_and_matches_one_process(gw: LiveGateway, 
     assert one["status"] == "succeeded", one["error"]
     assert _sacct(done["slurm_job_id"], "NNodes") == "2"
     assert _sacct(one["slurm_job_id"], "NNodes") == "1"
-    assert {"adapter.tar", "eval.json", "metrics.csv"} <= {
-        gw.api("GET", f"/v1/files/{f}", T).json()["filename"] for f in done["result_files"]}
+    names = {gw.api("GET", f"/v1/files/{f}", T).json()["filename"] for f in done["result_files"]}
+    assert {f"{gang['id']}-{n}" for n in ("adapter.tar", "eval.json", "metrics.csv")} <= names, names
     a, b = _losses(gw, gang["id"]), _losses(gw, single["id"])
     assert a.keys() == b.keys() and len(a) >= 3
     worst = max(abs(a[s] - b[s]) / max(abs(b[s]), 1e-6) for s in a)
