@@ -101,9 +101,13 @@ def _gang(job: JobScript) -> dict[str, str]:
         ),
         "launch": (f"srun --kill-on-bad-exit=1 --nodes={nodes} --ntasks-per-node={per_node} "
                    f"--cpus-per-task={_positive('cpus', job.cpus, 1024)} --export=ALL "),
-        # a lost rank: the trainer's PEER_LOST (76), or a rank killed by a signal (> 128) that is
-        # not our cancel's TERM (143); requeued a bounded number of times, each a resumed attempt
-        "gang_requeue": (' || { { [ "$rc" -eq 76 ] || { [ "$rc" -gt 128 ] && [ "$rc" -ne 143 ]; }; } '
+        # a lost rank shows as the trainer's PEER_LOST (76), a rank's signal death (137), or 143
+        # when srun's --kill-on-bad-exit TERMs the survivors; a TERM Slurm sent (time limit, an
+        # administrator) reached this script too (termed=1) and is not retried. Requeued: a gang
+        # that failed for anything but the trainer's refusals (65 dataset, 69 GPU, 78 model), a
+        # plain internal error (1) or such a TERM, a bounded number of times
+        "gang_requeue": (' || { [ "$rc" -ne 0 ] && [ "$rc" -ne 1 ] && [ "$rc" -ne 65 ] && [ "$rc" -ne 69 ] '
+                         '&& [ "$rc" -ne 78 ] && { [ "$rc" -ne 143 ] || [ "$termed" = 0 ]; } '
                          f'&& [ "${{SLURM_RESTART_COUNT:-0}}" -lt {GANG_RETRIES} ]; }}'),
     }
 

@@ -17,7 +17,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from trainer_testlib import Tiny, ToyData, events, losses, make_spec, run_trainer, start_trainer, wait_for, write_spec
+from trainer_testlib import (
+    Tiny,
+    ToyData,
+    adapter,
+    assert_same_run,
+    events,
+    losses,
+    make_spec,
+    run_trainer,
+    start_trainer,
+    wait_for,
+    write_spec,
+)
 
 from trainer import exitcodes
 
@@ -105,11 +117,6 @@ def two_ranks_dropout(tiny: Tiny, toy: ToyData, tmp_path_factory: pytest.TempPat
     return _run(base, _spec(tiny, toy, base / "job", 2, dropout=0.1))
 
 
-def _adapter(staging: Path) -> dict[str, Any]:
-    from safetensors.torch import load_file
-
-    return load_file(staging / "adapter_model.safetensors")
-
 
 def _files(job_dir: Path) -> list[str]:
     return sorted(str(p.relative_to(job_dir)) for p in job_dir.rglob("*"))
@@ -119,7 +126,7 @@ def test_two_ranks_train_as_one_process_and_only_rank_0_writes(one_rank: Run, tw
     one, two = losses(one_rank.staging), losses(two_ranks.staging)
     assert [s for s, _ in one] == [s for s, _ in two] == list(range(1, STEPS + 1))
     loss_diff = max(abs(a - b) / abs(a) for (_, a), (_, b) in zip(one, two, strict=True))
-    mine, theirs = _adapter(two_ranks.staging), _adapter(one_rank.staging)
+    mine, theirs = adapter(two_ranks.staging), adapter(one_rank.staging)
     assert mine.keys() == theirs.keys()
     adapter_diff = {n: float((mine[n] - theirs[n]).abs().max() / theirs[n].abs().max().clamp_min(1e-12))
                     for n in mine}
@@ -140,16 +147,6 @@ def test_two_ranks_train_as_one_process_and_only_rank_0_writes(one_rank: Run, tw
 def _step(job_dir: Path) -> int:
     return max((e["step"] for e in events(job_dir) if e["type"] == "metrics"), default=0)
 
-
-def _assert_same_as(staging: Path, reference: Run) -> None:
-    import torch
-
-    assert (staging / "COMPLETE").is_file()
-    assert losses(staging) == losses(reference.staging)  # bit-identical loss curve
-    mine, theirs = _adapter(staging), _adapter(reference.staging)
-    assert mine.keys() == theirs.keys()
-    for name in mine:
-        assert torch.equal(mine[name], theirs[name]), name
 
 
 def test_sigkill_of_rank_1_fails_rank_0_then_a_fresh_run_resumes_exactly(
@@ -176,7 +173,7 @@ def test_sigkill_of_rank_1_fails_rank_0_then_a_fresh_run_resumes_exactly(
     resumed = [e["resumed_from_step"] for e in events(job_dir) if "resumed_from_step" in e]
     print(f"checkpoints {saved}, resumed from step {resumed}")
     assert resumed == [saved[-1]]
-    _assert_same_as(job_dir / "attempts" / "0" / "staging", two_ranks_dropout)
+    assert_same_run(job_dir / "attempts" / "0" / "staging", two_ranks_dropout.staging)
 
 
 def test_sigusr1_stops_both_ranks_at_one_step_with_one_checkpoint_then_requeue_resumes_exactly(
@@ -206,7 +203,7 @@ def test_sigusr1_stops_both_ranks_at_one_step_with_one_checkpoint_then_requeue_r
     assert checkpoints == [f"step-{stopped[0]['step']}"] == [f"step-{stopped[0]['checkpoint_step']}"]
     assert (job_dir / "checkpoints" / checkpoints[0] / "COMPLETE").is_file()
     assert _wait(_start_ranks(spec_path, tmp_path, 2, attempt=1)) == [0, 0], _tail(tmp_path)
-    _assert_same_as(job_dir / "attempts" / "1" / "staging", two_ranks_dropout)
+    assert_same_run(job_dir / "attempts" / "1" / "staging", two_ranks_dropout.staging)
 
 
 @pytest.mark.parametrize(

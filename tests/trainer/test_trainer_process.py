@@ -17,6 +17,7 @@ from trainer_testlib import (
     Reference,
     Tiny,
     ToyData,
+    assert_same_run,
     events,
     losses,
     make_spec,
@@ -31,21 +32,6 @@ from trainer import exitcodes
 pytestmark = pytest.mark.train
 
 
-def _adapter(staging: Path) -> dict[str, Any]:
-    from safetensors.torch import load_file
-
-    return load_file(staging / "adapter_model.safetensors")
-
-
-def _assert_same_as_reference(staging: Path, reference: Reference) -> None:
-    import torch
-
-    assert (staging / "COMPLETE").is_file()
-    assert losses(staging) == losses(reference.staging)  # bit-identical loss curve
-    mine, theirs = _adapter(staging), _adapter(reference.staging)
-    assert mine.keys() == theirs.keys()
-    for name in mine:
-        assert torch.equal(mine[name], theirs[name]), name
 
 
 def _steps_since(job_dir: Path, offset: int) -> int:
@@ -118,7 +104,7 @@ def test_sigkill_at_random_points_then_resume_is_exact(
     resumed = [e["resumed_from_step"] for e in events(job_dir) if "resumed_from_step" in e]
     print(f"resumed from steps {resumed}")
     assert len(resumed) >= 2
-    _assert_same_as_reference(job_dir / "attempts" / "0" / "staging", reference)
+    assert_same_run(job_dir / "attempts" / "0" / "staging", reference.staging)
 
 
 def _signal_run(
@@ -159,7 +145,7 @@ def test_sigusr1_checkpoints_exits_75_and_requeue_resumes_exactly(
     assert rc == exitcodes.REQUEUE == 75
     assert not list(job_dir.glob("attempts/*/staging/COMPLETE"))
     assert run_trainer(spec_path, log, attempt=1) == 0  # Slurm's requeue: SLURM_RESTART_COUNT=1
-    _assert_same_as_reference(job_dir / "attempts" / "1" / "staging", reference)
+    assert_same_run(job_dir / "attempts" / "1" / "staging", reference.staging)
 
 
 def test_sigterm_stops_within_a_step_exits_143_never_complete(tiny: Tiny, toy: ToyData, tmp_path: Path) -> None:

@@ -126,3 +126,22 @@ class Reference:
     log: Path
     rc: int
     seconds: float
+
+
+def adapter(staging: Path) -> dict[str, Any]:
+    """The published LoRA tensors of a staging directory."""
+    from safetensors.torch import load_file
+
+    return load_file(staging / "adapter_model.safetensors")
+
+
+def assert_same_run(staging: Path, reference_staging: Path) -> None:
+    """``staging`` is complete and bit-identical to ``reference_staging``: loss curve and adapter."""
+    import torch
+
+    assert (staging / "COMPLETE").is_file()
+    assert losses(staging) == losses(reference_staging)  # bit-identical loss curve
+    mine, theirs = adapter(staging), adapter(reference_staging)
+    assert mine.keys() == theirs.keys()
+    for name in mine:
+        assert torch.equal(mine[name], theirs[name]), name
