@@ -118,3 +118,17 @@ def test_cancel_polite_job_is_recorded_cancelled(client: SlurmClient,
     print(f"\ncancel of a polite job: {res.seconds:.2f}s")
     assert not res.escalated and res.seconds < 5
     assert wait_for(client, jid, finished).state == "CANCELLED"
+
+
+def test_requeue_that_slurm_refuses_ends_the_job_at_once(client: SlurmClient,
+                                                         tenants: tuple[str, str]) -> None:
+    """Exit 75 asks for a requeue; when scontrol cannot requeue (here: --no-requeue), the
+    batch script ends with the trainer's code instead of holding its GPU to the time limit."""
+    a, _ = tenants
+    jid, d = submit(client, a, "echo started; exit 75", requeue=False)
+    st = wait_for(client, jid, finished, timeout=60)
+    out = (d / f"slurm-{jid}.out").read_text()
+    assert "requeue requested (exit 75)" in out, out
+    assert st.state == "FAILED", (st, out)
+    acct = accounting(client, jid)
+    assert acct.exit == (75, 0) and (acct.elapsed_s or 0) < 30, acct
