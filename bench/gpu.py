@@ -7,6 +7,7 @@
    built offline and registered in a temp catalog: tokens/s after a warm-up step, peak
    ``torch.cuda.max_memory_allocated`` and MFU = 6 x all parameters x tokens/s / the device's peak
    dense bf16 FLOP/s (``PEAK_BF16``, matched on the device name).
+2b. ``fsdp_qlora``: the sharded path (``fsdp``) on one device against the same steps unsharded.
 3. ``wipe``: the epilog's GPU wipe (``scrubber.gpu.wipe_gpu`` judged by ``scrubber.checks.judge_wipe``)
    with a canary test and a negative control: process A fills all free GPU memory with random words
    carrying a canary and is SIGKILLed; without a wipe, a later process B scans what it can allocate
@@ -204,6 +205,48 @@ def throughput(job: dict[str, Any], name: str, run: Runner, repeats: int, flops:
     return out
 
 
+# ----------------------------------------------------------------- 2b. FSDP-QLoRA smoke
+
+def fsdp_run(job: dict[str, Any]) -> dict[str, Any]:
+    """Train the tiny model with the recipe on one rank, sharded (FSDP2) or not; the loss curve and speed."""
+    bt.quiet()
+    import torch
+
+    torch.set_num_threads(job["threads"])
+    from trainer.recipe import Recipe, StopFlag
+    from trainer.spec import parse_spec
+
+    spec = {**bt.our_spec(job), "fsdp": job["fsdp"]}
+    recipe = Recipe(parse_spec(spec), 0, StopFlag())
+    try:
+        recipe.setup()
+        recipe.train()
+        metrics = recipe.progress.metrics
+        return {"fsdp": job["fsdp"], "losses": [m["loss"] for m in metrics],
+                "tokens_per_s": sum(m["tokens"] for m in metrics[1:]) / max(
+                    metrics[-1]["elapsed_s"] - metrics[0]["elapsed_s"], 1e-9),
+                "sharded": recipe.world.sharded}
+    finally:
+        recipe.cleanup()
+        recipe.world.close()
+
+
+def fsdp_smoke(job: dict[str, Any], run: Runner) -> dict[str, Any]:
+    """FSDP-QLoRA end to end on one device (4-bit base in bf16 storage, FSDP2 over a group of one,
+    NCCL on CUDA): its loss curve against the same steps unsharded. A single GPU cannot show
+    several ranks; tests/trainer/test_trainer_distributed.py does that with gloo on the CPU."""
+    plain, sharded = run(fsdp_run, {**job, "fsdp": False}), run(fsdp_run, {**job, "fsdp": True})
+    pairs = list(zip(plain["losses"], sharded["losses"], strict=True))
+    worst = max(abs(a - b) / max(abs(a), 1e-9) for a, b in pairs)
+    print(f"FSDP-QLoRA smoke: {len(pairs)} steps, worst relative loss difference {worst:.2e}, "
+          f"{sharded['tokens_per_s']:,.0f} vs {plain['tokens_per_s']:,.0f} tokens/s unsharded", flush=True)
+    out: dict[str, Any] = {"steps": len(pairs), "worst_rel_loss_diff": worst, "sharded": sharded["sharded"],
+                           "tokens_per_s": {"fsdp": sharded["tokens_per_s"], "plain": plain["tokens_per_s"]}}
+    if not job["cuda"]:
+        out["not_run"] = "no CUDA device: FSDP2 over gloo on the CPU, not NCCL"
+    return out
+
+
 # ----------------------------------------------------------------- 3. the wipe
 
 WIPE = """
@@ -335,6 +378,7 @@ def trainer_parts(results: dict[str, Any], args: argparse.Namespace, cuda: bool,
         job = setup_job(Path(tmp), args.dry, steps, args.threads or (1 if args.dry else 8))
         job["cuda"] = cuda
         _part(results, "bnb_4bit", deadline, lambda: run(check_bnb, job))
+        _part(results, "fsdp_qlora", deadline, lambda: fsdp_smoke(job, run))
         print(bt.describe_peer(cuda, job["step_tokens"], job), flush=True)
         for name in shapes:
             _part(results, f"throughput_{name}", deadline,

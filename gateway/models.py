@@ -144,6 +144,7 @@ class FineTuningJob(SQLModel, table=True):
     # the gang: GPUs in all (one trainer rank each) over this many nodes (gpus % nodes == 0)
     gpus: int = Field(default=1)
     nodes: int = Field(default=1)
+    fsdp: bool = Field(default=False)   # shard the model over the ranks (FSDP2), else every rank holds it
     slurm_job_id: int | None = Field(default=None, index=True)
     attempt: int = Field(default=0)
     slurm_state: str | None = Field(default=None, max_length=32)

@@ -11,6 +11,19 @@ have computed (up to float summation order). No DDP wrapper: LoRA gradients
 are small, and a manual all-reduce after backward works with peft and
 gradient checkpointing alike.
 
+Sharded (``fsdp`` in the spec, :meth:`World.shard`): for a base model too
+large for one GPU, PyTorch's FSDP2 (``fully_shard``) shards every decoder
+layer's parameters, the 4-bit base included (packed as bfloat16 elements,
+``bnb_4bit_quant_storage``, as HF's FSDP-QLoRA recipe does), and so its LoRA
+weights and Adam moments, over the ranks (embeddings, final norm and LM head
+stay whole: they are called apart and may share a tied weight); a layer's weights are gathered for
+its forward and backward and its LoRA gradients reduce-scattered (summed, not
+averaged: the loss is already divided by the step's tokens over all ranks).
+Every rank must then run the same number of forward and backward passes, so a
+rank with fewer rows in a step or an eval runs padding passes weighted 0.
+Checkpoints gather the (small) LoRA weights and optimizer state to rank 0 and
+keep the unsharded format: one checkpoint layout for every world size and mode.
+
 With one rank (every job before data parallelism) nothing here imports
 ``torch.distributed`` and every helper returns at once: today's behaviour
 exactly. With several, a collective that waits longer than
@@ -27,9 +40,11 @@ world sizes draw different masks (compare them with ``lora_dropout`` 0).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import signal
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from trainer.errors import LaunchError, PeerError
@@ -66,6 +81,7 @@ class World:
         self.source = source  # the variable the size came from, for the mismatch message
         self.timeout_s = timeout_s
         self._dist: Any = None  # torch.distributed once connected
+        self.sharded = False  # FSDP2 over the ranks (shard), else every rank holds everything
         self._device: Any = None  # where the collectives' buffers live (cuda:<local> with NCCL)
 
     @classmethod
@@ -126,14 +142,27 @@ class World:
             )
         torch.cuda.set_device(index)
 
-    def connect(self, device: str) -> None:
+    def connect(self, device: str, sharded: bool = False) -> None:
         """Join the other ranks (NCCL on ``"cuda"``, else gloo; ``env://`` rendezvous at rank 0).
+
+        ``sharded`` with one rank (an FSDP smoke run on one GPU): a process group of
+        one in memory, no rendezvous.
 
         Raises:
             LaunchError: ``MASTER_ADDR``/``MASTER_PORT`` are unset.
             PeerError: the other ranks did not all arrive within the timeout.
         """
-        if self.size == 1 or self._dist is not None:
+        if self._dist is not None or (self.size == 1 and not sharded):
+            return
+        if self.size == 1:
+            import torch
+            import torch.distributed as dist
+
+            backend = "nccl" if device == "cuda" else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            self._dist = dist
+            self._device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" \
+                else torch.device("cpu")
             return
         from trainer.jobenv import rendezvous_missing
 
@@ -177,7 +206,8 @@ class World:
         """All-reduce SUM the ``.grad`` of ``params`` in place: one flat buffer, one collective per dtype.
 
         A parameter without a gradient counts as zeros; it keeps ``grad = None``
-        only where no rank had one (as one process would leave it).
+        only where no rank had one (as one process would leave it). Sharded:
+        only the parameters FSDP does not hold (it reduce-scattered the others in backward).
 
         Raises:
             PeerError: see :meth:`connect`.
@@ -186,6 +216,10 @@ class World:
             return
         import torch
 
+        if self.sharded:  # FSDP reduce-scattered the sharded ones in backward
+            from torch.distributed.tensor import DTensor
+
+            params = [p for p in params if not isinstance(p, DTensor)]
         groups: dict[Any, list[Any]] = {}
         for p in params:
             groups.setdefault(p.dtype, []).append(p)
@@ -259,8 +293,153 @@ class World:
 
         self._all_reduce("barrier", torch.zeros(1, device=self._device))
 
+    # -- sharded (FSDP2) -----------------------------------------------------------
+
+    def shard(self, model: Any) -> int:
+        """Shard ``model`` over the ranks with FSDP2: each decoder layer, then the rest; return the layers.
+
+        Call after LoRA is added and before the optimizer is built (its parameters
+        become DTensors). Gradients are summed over ranks, not averaged.
+
+        Raises:
+            LaunchError: not connected, or the model has no decoder layer list to shard.
+        """
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        from trainer.model import decoder_and_head
+
+        if self._dist is None:
+            raise LaunchError("fsdp: connect the ranks before sharding the model")
+        parts = decoder_and_head(model)
+        layers = getattr(parts[0], "layers", None) if parts else None
+        if not layers:
+            raise LaunchError("fsdp: this model has no list of decoder layers to shard; train it without fsdp")
+        # The layers only: the recipe calls the decoder and the LM head apart (chunked logits) and
+        # they may share a tied weight, so embeddings, final norm and head stay whole on every rank
+        # (frozen; a trainable one there is summed by sum_gradients like unsharded data parallel).
+        for layer in layers:
+            fully_shard(layer)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
+        self.sharded = True
+        return len(layers)
+
+    @contextlib.contextmanager
+    def collectives(self, what: str) -> Iterator[None]:
+        """Turn a failed collective inside model code (FSDP's gathers and reductions) into PeerError.
+
+        torch.distributed's own errors, and a RuntimeError raised where torch.distributed
+        waits on the transport with a lost-peer message (gloo says "Connection closed by
+        peer"); any other exception (a bug, out of memory) passes as it is.
+        """
+        if not self.sharded:
+            yield
+            return
+        import torch.distributed as dist
+
+        try:
+            yield
+        except dist.DistError as e:
+            raise self._peer_error(what, e) from e
+        except RuntimeError as e:
+            if _lost_peer(e):
+                raise self._peer_error(what, e) from e
+            raise
+
+    def adapter_state(self, model: Any) -> dict[str, Any]:
+        """Return the trainable (LoRA) parameters by name, whole, on the CPU.
+
+        Sharded: every rank must call it (a gather); rank 0 gets the tensors, the
+        others an empty dict.
+        """
+        if not self.sharded:
+            from trainer.model import trainable_state
+
+            return trainable_state(model)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        with self.collectives("adapter gather"):
+            state = get_model_state_dict(model, options=options)
+        return {name: t.contiguous() for name, t in state.items()}
+
+    def load_adapter(self, model: Any, state: dict[str, Any]) -> None:
+        """Copy ``state`` (name -> whole tensor, as :meth:`adapter_state` returns) into the model.
+
+        Sharded: every rank must call it; rank 0's ``state`` is scattered to the others.
+        """
+        import torch
+
+        if not self.sharded:
+            named = dict(model.named_parameters())
+            with torch.no_grad():
+                for name, value in state.items():
+                    named[name].copy_(value)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+        with self.collectives("adapter load"):
+            set_model_state_dict(model, state if self.is_main else {}, options=options)
+
+    def optimizer_state(self, model: Any, optimizer: Any) -> dict[str, Any]:
+        """Return ``optimizer.state_dict()``, whole (sharded: gathered to rank 0, every rank calls; others get {}).
+
+        The sharded state is put back into the unsharded layout (parameters by index,
+        in ``model.named_parameters()`` order), so every checkpoint has one format.
+        """
+        if not self.sharded:
+            return dict(optimizer.state_dict())
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        with self.collectives("optimizer gather"):
+            state = get_optimizer_state_dict(model, optimizer, options=options)
+        if not self.is_main:
+            return {}
+        index = {name: i for i, name in enumerate(_trainable_names(model))}
+        return {
+            "state": {index[name]: value for name, value in state["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
+        }
+
+    def load_optimizer(self, model: Any, optimizer: Any, state: dict[str, Any]) -> None:
+        """Load an optimizer state of :meth:`optimizer_state`'s layout (sharded: every rank calls; rank 0's counts)."""
+        if not self.sharded:
+            optimizer.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        names = _trainable_names(model)
+        by_name = {
+            "state": {names[int(i)]: value for i, value in state["state"].items()},
+            "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in state["param_groups"]],
+        } if self.is_main else {}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        with self.collectives("optimizer load"):
+            set_optimizer_state_dict(model, optimizer, by_name, options=options)
+
     def close(self) -> None:
         """Leave the process group (after the last barrier; a run that failed just exits)."""
         if self._dist is not None and self._dist.is_initialized():
             self._dist.destroy_process_group()
         self._dist = None
+
+
+_LOST_PEER = ("connection closed", "connection reset", "timed out", "timeout", "broken pipe")
+
+
+def _lost_peer(e: RuntimeError) -> bool:
+    """Whether ``e`` is a transport failure of a collective: raised in torch.distributed, naming a lost link."""
+    tb, where = e.__traceback__, ""
+    while tb is not None:
+        where, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+    text = str(e).lower()
+    return "/torch/distributed/" in where.replace("\\", "/") and any(s in text for s in _LOST_PEER)
+
+
+def _trainable_names(model: Any) -> list[str]:
+    """The trainable parameters' names in ``named_parameters`` order: the optimizer's index order."""
+    return [name for name, p in model.named_parameters() if p.requires_grad]

@@ -141,11 +141,14 @@ def attention_implementation(device: str, max_seq_len: int) -> str:
 # ----------------------------------------------------------------- loading
 
 
-def load_base_model(path: str | Path, device: str | None = None, max_seq_len: int = 2048) -> Any:
+def load_base_model(path: str | Path, device: str | None = None, max_seq_len: int = 2048,
+                    shardable: bool = False) -> Any:
     """Load a base model in 4-bit NF4 (double quant) on ``device`` (default: CUDA when present).
 
     Chooses the attention implementation (:func:`attention_implementation`) and
     applies the bitsandbytes AVX512-BF16 workaround (see ``disable_cpu_repack``).
+    ``shardable`` (FSDP): the packed 4-bit weights are stored as bfloat16 elements
+    (``bnb_4bit_quant_storage``), the same bits, so FSDP can shard them like any parameter.
     """
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -158,6 +161,7 @@ def load_base_model(path: str | Path, device: str | None = None, max_seq_len: in
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=compute,
+        **({"bnb_4bit_quant_storage": torch.bfloat16} if shardable else {}),
     )
     attention = attention_implementation(device, max_seq_len)
     # the current device: cuda:<local rank> on a data-parallel rank (trainer.distributed), else 0
@@ -318,6 +322,8 @@ def row_loss(model: Any, row: Row, chunk: int = LOGIT_CHUNK) -> tuple[torch.Tens
             return F.cross_entropy(logits, targets, reduction="sum"), len(keep), (logits.argmax(-1) == targets).sum()
         decoder, head = parts
         hidden = decoder(input_ids=ids, position_ids=positions, use_cache=False, **flash).last_hidden_state[0]
+        if not keep:  # connected to the graph, so a sharded rank's zero-weight backward still runs its hooks
+            return hidden.float().sum() * 0.0, 0, torch.zeros((), dtype=torch.long, device=device)
         kept = hidden.index_select(0, keep_t)
         loss = kept.new_zeros((), dtype=torch.float32)
         correct = torch.zeros((), dtype=torch.long, device=device)
@@ -333,7 +339,9 @@ def row_loss(model: Any, row: Row, chunk: int = LOGIT_CHUNK) -> tuple[torch.Tens
     return loss, len(keep), correct
 
 
-def accumulate_gradients(model: Any, rows: list[Row], total: int | None = None) -> tuple[float, int]:
+def accumulate_gradients(
+    model: Any, rows: list[Row], total: int | None = None, pad: Row | None = None, pad_passes: int = 0
+) -> tuple[float, int]:
     """Forward and backward each row (micro-batch) of one optimizer step.
 
     Each row's summed loss is divided by ``total``, the trained tokens of the
@@ -341,6 +349,9 @@ def accumulate_gradients(model: Any, rows: list[Row], total: int | None = None) 
     those of the step's token-mean loss (one large batch). Data parallel: each
     rank passes its own rows and the step's ``total`` over all ranks, and the
     sum over ranks of the gradients (and of the returned losses) is the step's.
+    Sharded (FSDP): every rank must run as many backward passes, so with ``pad``
+    every row runs backward (a row without trained tokens weighted 0) and then
+    ``pad_passes`` passes of ``pad`` weighted 0 follow.
     Returns (these rows' summed loss / ``total``, ``total``).
     """
     import torch
@@ -348,21 +359,27 @@ def accumulate_gradients(model: Any, rows: list[Row], total: int | None = None) 
     if total is None:
         total = sum(row.n_targets for row in rows)
     losses = []
-    for row in rows:
+    passes = [*rows, *([pad] * pad_passes if pad is not None else [])]
+    for i, row in enumerate(passes):
         loss, trained, _ = row_loss(model, row)
-        if trained:
+        if trained and i < len(rows):
             (loss / total).backward()
             losses.append(loss.detach())
+        elif pad is not None:
+            (loss * 0.0).backward()
     return float(torch.stack(losses).sum()) / max(total, 1) if losses else 0.0, total
 
 
 def eval_sums(
-    model: Any, rows: list[Row], check: Callable[[], None] | None = None
+    model: Any, rows: list[Row], check: Callable[[], None] | None = None, pad: Row | None = None,
+    pad_passes: int = 0,
 ) -> tuple[float, int, int]:
     """Return (summed loss, trained tokens, correct argmaxes) over packed ``rows``, without gradients.
 
     ``check`` runs before each row (a signal may interrupt a long eval). Data
     parallel: each rank sums its share of the rows and the sums are added up.
+    Sharded (FSDP): ``pad_passes`` forwards of ``pad`` follow, counted nowhere,
+    so every rank runs as many forwards.
     """
     import torch
 
@@ -370,10 +387,13 @@ def eval_sums(
     model.eval()
     try:
         with torch.no_grad():
-            for row in rows:
+            passes = [*rows, *([pad] * pad_passes if pad is not None else [])]
+            for i, row in enumerate(passes):
                 if check is not None:
                     check()
                 loss, n, ok = row_loss(model, row)
+                if i >= len(rows):  # padding
+                    continue
                 total, tokens, correct = total + float(loss), tokens + n, correct + int(ok)
     finally:
         model.train()

@@ -25,6 +25,11 @@ after the same step; evals are sharded and their sums added up, so every
 rank takes the same early-stopping decisions. Rank 0 alone writes events,
 checkpoints and the staging directory; every checkpoint is followed by a
 barrier. With one rank every collective is a no-op.
+
+Sharded (``fsdp``, for a base too large for one GPU): the same recipe over
+FSDP2 (:meth:`trainer.distributed.World.shard`); ranks pad short shares of a
+step or an eval with zero-weight passes, and checkpoints, the best adapter and
+the published adapter are gathered to rank 0 (every rank joins the gather).
 """
 
 from __future__ import annotations
@@ -68,7 +73,6 @@ from trainer.model import (
     load_base_model,
     lr_lambda,
     resolve_device,
-    trainable_state,
 )
 from trainer.packing import Example, Row, micro_batches, plan
 from trainer.spec import JobSpec, spec_hash
@@ -200,7 +204,7 @@ class Recipe:
         model_path = self.verify_inputs()  # input errors first: they are permanent, a broken GPU may not be
         self.world.select_gpu(self.spec.device)  # before any CUDA context: cuda:<local rank>
         self.device = resolve_device(self.spec.device)  # before tokenizing and loading
-        self.world.connect(self.device)
+        self.world.connect(self.device, sharded=self.spec.fsdp)
         self.check_stop()
         self.events.phase("tokenizing")
         import torch
@@ -223,8 +227,13 @@ class Recipe:
             len(self.val_examples),
             self.total_steps,
         )
-        self.model = add_lora(load_base_model(model_path, self.device, self.hp.max_seq_len), self.hp)
-        if self.hp.torch_compile and self.device == "cuda":
+        base = load_base_model(model_path, self.device, self.hp.max_seq_len, shardable=self.spec.fsdp)
+        self.model = add_lora(base, self.hp)
+        if self.spec.fsdp:
+            log.info("fsdp: %d decoder layers sharded over %d rank(s)", self.world.shard(self.model), self.world.size)
+        if self.hp.torch_compile and self.device == "cuda" and self.spec.fsdp:
+            log.info("torch_compile not used with fsdp")
+        elif self.hp.torch_compile and self.device == "cuda":
             log.info("torch.compile: %d decoder layers", compile_layers(self.model))
         elif self.hp.torch_compile:
             log.info("torch_compile ignored on the CPU")
@@ -280,11 +289,8 @@ class Recipe:
             except (OSError, ValueError, KeyError, RuntimeError) as e:
                 log.warning("checkpoint %s unreadable (%s); trying an older one", path.name, type(e).__name__)
                 continue
-            named = dict(self.model.named_parameters())
-            with torch.no_grad():
-                for name, value in adapter.items():
-                    named[name].copy_(value)
-            self.optimizer.load_state_dict(tensors["optimizer"])
+            self.world.load_adapter(self.model, adapter)
+            self.world.load_optimizer(self.model, self.optimizer, tensors["optimizer"])
             self.scheduler.load_state_dict(tensors["scheduler"])
             # rank 0's; with several ranks, dropout_seed reseeds every step anyway
             torch.set_rng_state(tensors["rng_cpu"])
@@ -324,7 +330,8 @@ class Recipe:
             tokens = sum(len(row.input_ids) for row in rows)
             t0 = time.monotonic()
             lr = self.scheduler.get_last_lr()[0]
-            loss, trained = self.optimizer_step(rows)
+            with self.world.collectives("training step"):
+                loss, trained = self.optimizer_step(rows)
             progress.step += 1
             dt = time.monotonic() - t0
             progress.elapsed_s = time.monotonic() - started
@@ -358,7 +365,14 @@ class Recipe:
         total = sum(row.n_targets for row in rows)
         if world.size > 1:  # ranks drop different units; a resume redraws the same masks (no RNG state needed)
             torch.manual_seed(dropout_seed(self.hp.seed, world.rank, self.progress.step))
-        loss, trained = accumulate_gradients(self.model, rows[world.rank :: world.size], total)
+        mine = rows[world.rank :: world.size]
+        if world.sharded and total:  # FSDP: as many forward/backward passes on every rank
+            short = -(-len(rows) // world.size) - len(mine)
+            loss, trained = accumulate_gradients(self.model, mine, total, rows[0], short)
+        elif world.sharded:
+            loss, trained = 0.0, 0  # no trained token on any rank: no pass anywhere, gradients stay None
+        else:
+            loss, trained = accumulate_gradients(self.model, mine, total)
         if total:  # a step without trained tokens leaves every gradient None, on every rank
             world.sum_gradients(self.params)
         (loss,) = world.sum_floats([loss])
@@ -392,8 +406,8 @@ class Recipe:
         progress = self.progress
         if improves(loss, progress.best_loss, self.hp.early_stopping_min_delta):
             progress.best_step, progress.best_loss, progress.bad_evals = progress.step, loss, 0
-            # clone: on CPU trainable_state returns views of the live parameters
-            self.best_adapter = {n: t.clone() for n, t in trainable_state(self.model).items()}
+            # clone: on CPU trainable_state returns views of the live parameters (sharded: rank 0's copy only)
+            self.best_adapter = {n: t.clone() for n, t in self.world.adapter_state(self.model).items()}
             return
         progress.bad_evals += 1
         if progress.bad_evals >= patience and progress.step < self.total_steps:
@@ -419,9 +433,14 @@ class Recipe:
         result = {"when": when, "step": self.progress.step if step is None else step}
         rows = micro_batches(self.val_examples, self.hp.max_seq_len)
         mine = rows[self.world.rank :: self.world.size]
-        sums = eval_sums(self.model, mine, self.check_stop)
-        for _ in range(-(-len(rows) // self.world.size) - len(mine)):
-            self.check_stop()  # as many stop agreements as the ranks with one row more
+        short = -(-len(rows) // self.world.size) - len(mine)
+        if self.world.sharded and rows:  # FSDP: as many forwards (and stop agreements) on every rank
+            with self.world.collectives("eval"):
+                sums = eval_sums(self.model, mine, self.check_stop, rows[0], short)
+        else:
+            sums = eval_sums(self.model, mine, self.check_stop)
+            for _ in range(short):
+                self.check_stop()  # as many stop agreements as the ranks with one row more
         total, tokens, correct = self.world.sum_floats(list(sums))
         result.update(eval_metrics(total, int(tokens), int(correct), len(self.val_examples)))
         self.progress.evals.append(result)
@@ -444,18 +463,21 @@ class Recipe:
         step = self.progress.step
         if step == self.last_checkpoint_step or step == 0:
             return None
-        path = self._write_checkpoint(step) if self.world.is_main else None
+        # sharded: every rank joins the gathers; rank 0 gets the whole state
+        adapter = self.world.adapter_state(self.model)
+        optimizer = self.world.optimizer_state(self.model, self.optimizer)
+        path = self._write_checkpoint(step, adapter, optimizer) if self.world.is_main else None
         self.last_checkpoint_step = step  # on every rank: they return early at the same steps
         if sync:
             self.world.barrier()
         return path
 
-    def _write_checkpoint(self, step: int) -> Path:
+    def _write_checkpoint(self, step: int, adapter: dict[str, Any], optimizer: dict[str, Any]) -> Path:
         import torch
         from safetensors.torch import save as save_safetensors
 
         tensors: dict[str, Any] = {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
             "rng_cpu": torch.get_rng_state(),
         }
@@ -476,7 +498,7 @@ class Recipe:
             "stopped_early": self.progress.stopped_early,
         }
         files = {
-            "adapter.safetensors": save_safetensors(trainable_state(self.model)),
+            "adapter.safetensors": save_safetensors(adapter),
             "state.pt": buffer.getvalue(),
             "progress.json": json.dumps(progress).encode(),
         }
@@ -501,8 +523,9 @@ class Recipe:
         published = self._load_best()
         after = self._eval("after", published)
         self.events.phase("saving")
+        adapter = self.world.adapter_state(self.model) if self.world.sharded else None  # every rank gathers
         if self.world.is_main:
-            self._write_staging(after)
+            self._write_staging(after, adapter)
         self.check_stop()  # a cancel that arrived by now must never publish
         if self.world.is_main:
             digest = hashlib.sha256((self.staging / "manifest.json").read_bytes()).hexdigest()
@@ -517,13 +540,16 @@ class Recipe:
             raise Stop(signal.SIGTERM)
         return self.staging
 
-    def _write_staging(self, after: dict[str, Any]) -> None:
-        """Everything of the staging directory but COMPLETE, each file fsynced."""
+    def _write_staging(self, after: dict[str, Any], adapter: dict[str, Any] | None = None) -> None:
+        """Everything of the staging directory but COMPLETE, each file fsynced (``adapter``: gathered, sharded)."""
         self.staging.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         if self.staging.exists():
             ckpt.remove_dir(self.staging)
         self.staging.mkdir(mode=0o700)
-        self.model.save_pretrained(self.staging)
+        if adapter is None:
+            self.model.save_pretrained(self.staging)
+        else:  # peft writes the given state instead of reading the (sharded) parameters
+            self.model.save_pretrained(self.staging, state_dict=adapter)
         self.tokenizer.save_pretrained(self.staging)
         (self.staging / "README.md").unlink(missing_ok=True)
         before = next(e for e in self.progress.evals if e["when"] == "before")
@@ -554,15 +580,10 @@ class Recipe:
         progress = self.progress
         if self.best_adapter is None or progress.best_step in (None, progress.step):
             return progress.step
-        import torch
-
         # the last step's own state first: a signal from here on then saves nothing newer,
         # so no checkpoint ever holds the best adapter as the current one
         self.save_checkpoint()
-        named = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name, value in self.best_adapter.items():
-                named[name].copy_(value)
+        self.world.load_adapter(self.model, self.best_adapter)
         log.info("publishing the adapter of step %d (loss %.4f)", progress.best_step, progress.best_loss)
         return progress.best_step
 

@@ -144,6 +144,10 @@ class JobSpec(_Strict):
     ``world_size``: the number of data-parallel ranks (one process per GPU) the job
     is launched with; the trainer refuses a launch with another number. Steps, data
     order and checkpoints do not depend on it (see ``trainer.distributed``).
+
+    ``fsdp``: shard the 4-bit base, LoRA weights and optimizer state over the
+    ranks (FSDP2) instead of giving every rank the whole model: for a base too
+    large for one GPU. Same steps and checkpoint format as without.
     """
 
     version: Literal[1] = 1
@@ -158,6 +162,7 @@ class JobSpec(_Strict):
     keep_checkpoints: Annotated[int, Field(ge=1, le=100)] = 2
     device: Literal["auto", "cuda", "cpu"] = "auto"
     world_size: Annotated[int, Field(ge=1, le=1024)] = 1
+    fsdp: bool = False
 
 
 def _model_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel] | None:
@@ -263,7 +268,7 @@ def load_spec(path: str | Path) -> JobSpec:
 
 
 _ADDED_HYPERPARAMETERS = ("warmup_ratio", "early_stopping_patience", "early_stopping_min_delta", "torch_compile")
-_ADDED_FIELDS = ("device", "world_size")
+_ADDED_FIELDS = ("device", "world_size", "fsdp")
 """Fields added after version 1 shipped: left out of the canonical JSON while at their default,
 so a spec that does not use them keeps its hash (and an in-flight job its checkpoints) across
 an upgrade."""

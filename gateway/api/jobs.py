@@ -36,6 +36,7 @@ class Resources(BaseModel):
     model_config = ConfigDict(extra="forbid")
     gpus: Annotated[int, Field(ge=1, le=1024)] = 1
     nodes: Annotated[int, Field(ge=1, le=1024)] = 1
+    fsdp: bool = False   # shard the 4-bit base over the ranks (FSDP2): for a model too large for one GPU
 
 
 class CreateJob(BaseModel):
@@ -81,7 +82,7 @@ def job_object(job: FineTuningJob, tenant: str) -> dict[str, Any]:
         "method": {"type": "supervised", "supervised": {"hyperparameters": {**openai_hp, **hp}}},
         # ours
         "slurm_job_id": job.slurm_job_id, "attempt": job.attempt, "phase": job.phase, "qos": job.qos,
-        "resources": {"gpus": job.gpus, "nodes": job.nodes},
+        "resources": {"gpus": job.gpus, "nodes": job.nodes, "fsdp": job.fsdp},
         "cleanup": job.cleanup, "stop_confirmed": job.stop_confirmed_at is not None,
         "progress": {k: v for k, v in (job.progress or {}).items() if k not in ("failure", "node", "counted_step")},
     }
@@ -117,7 +118,8 @@ def create_job(body: CreateJob, request: Request, session: SessionDep, settings:
                          hyperparameters=hp, suffix=body.suffix, seed=body.seed, metadata=body.metadata,
                          idempotency_key=idempotency_key,
                          gpus=body.resources.gpus if body.resources else 1,
-                         nodes=body.resources.nodes if body.resources else 1)
+                         nodes=body.resources.nodes if body.resources else 1,
+                         fsdp=body.resources.fsdp if body.resources else False)
     job = svc.create_job(session=session, settings=settings, principal=principal, req=req, submit=submitter)
     assert principal.tenant_name is not None
     return job_object(job, principal.tenant_name)

@@ -68,10 +68,13 @@ class JobRequest:
     idempotency_key: str | None = None
     gpus: int = 1           # in all: one trainer rank each
     nodes: int = 1
+    fsdp: bool = False      # shard the model over the ranks
 
     def digest(self) -> str:
         """sha256 of the request without its idempotency key: a reused key must come with the same request."""
-        body = json.dumps({k: v for k, v in self.__dict__.items() if k != "idempotency_key"},
+        # fsdp at its default is left out: a retry of a request from before it existed keeps its digest
+        fields = {k: v for k, v in self.__dict__.items() if k != "idempotency_key" and not (k == "fsdp" and not v)}
+        body = json.dumps(fields,
                           sort_keys=True, default=str)
         return hashlib.sha256(body.encode()).hexdigest()
 
@@ -205,10 +208,10 @@ def build_hyperparameters(raw: dict[str, Any]) -> dict[str, Any]:
     return hp
 
 
-def check_resources(settings: Settings, gpus: int, nodes: int) -> None:
+def check_resources(settings: Settings, gpus: int, nodes: int, fsdp: bool = False) -> None:
     """ServiceError (400, naming the field) unless ``gpus`` over ``nodes`` is a gang this site runs:
     whole GPUs per node (``gpus % nodes == 0``), at most ``max_gpus_per_node`` per node and
-    ``max_nodes_per_job`` nodes; local mode runs one process."""
+    ``max_nodes_per_job`` nodes; local mode runs one process (no gang, no ``fsdp``)."""
     if nodes < 1 or gpus < 1:
         raise ServiceError("resources.gpus and resources.nodes must be at least 1", param="resources")
     if gpus % nodes:
@@ -223,6 +226,9 @@ def check_resources(settings: Settings, gpus: int, nodes: int) -> None:
                            param="resources.gpus")
     if settings.local and gpus > 1:
         raise ServiceError("local mode runs one trainer process: resources.gpus must be 1", param="resources.gpus")
+    if settings.local and fsdp:
+        raise ServiceError("local mode runs one trainer process: resources.fsdp needs a Slurm gang",
+                           param="resources.fsdp")
 
 
 def _catalog_entry(settings: Settings, name: str) -> CatalogEntry:
@@ -274,7 +280,7 @@ def create_job(*, session: Session, settings: Settings, principal: Principal, re
     if req.seed is not None:
         hp["seed"] = req.seed
     epochs = _epochs(hp)
-    check_resources(settings, req.gpus, req.nodes)
+    check_resources(settings, req.gpus, req.nodes, req.fsdp)
     tokens, minutes = estimate(settings, train, epochs, req.gpus)
     _admit(session, settings, tid, tokens, minutes)
     _gpus_allowed(submit, tenant_name, minutes, req.gpus)
@@ -282,7 +288,8 @@ def create_job(*, session: Session, settings: Settings, principal: Principal, re
                         model=req.model, model_digest=entry.digest, hyperparameters=hp,
                         suffix=req.suffix, seed=req.seed, meta=req.metadata,
                         idempotency_key=req.idempotency_key, request_hash=req.digest(),
-                        estimated_tokens=tokens, time_limit_min=minutes, gpus=req.gpus, nodes=req.nodes)
+                        estimated_tokens=tokens, time_limit_min=minutes, gpus=req.gpus, nodes=req.nodes,
+                        fsdp=req.fsdp)
     spec = job_spec(settings, tenant_name, job, train, val, entry)  # validates hp before any row exists
     try:
         with session.begin_nested():
@@ -363,6 +370,7 @@ def job_spec(settings: Settings, tenant: str, job: FineTuningJob, train: DataFil
         **({"keep_checkpoints": top["keep_checkpoints"]} if "keep_checkpoints" in top else {}),
         **({"device": settings.job_device} if settings.job_device != "auto" else {}),
         **({"world_size": job.gpus} if job.gpus > 1 else {}),
+        **({"fsdp": True} if job.fsdp else {}),
     }
     try:
         parse_spec(spec)

@@ -50,19 +50,20 @@ def jobs() -> None:
 @click.option("--idempotency-key", help="Sending the same key again returns the same job.")
 @click.option("--gpus", type=click.IntRange(1, 1024), help="GPUs in all, one trainer rank each (default 1).")
 @click.option("--nodes", type=click.IntRange(1, 1024), help="Nodes to spread the GPUs over (default 1).")
+@click.option("--fsdp", is_flag=True, help="Shard the model over the GPUs (FSDP): for a base too large for one GPU.")
 @click.option("--hp", "extra", multiple=True, metavar="KEY=VALUE", help="Any other hyperparameter (repeatable).")
 @click.option("--json", "as_json", is_flag=True)
 def create_job(training_file: str, validation_file: str | None, model: str, epochs: int | None,
                learning_rate_multiplier: float | None, lora_r: int | None, batch_size_tokens: int | None,
                max_seq_len: int | None, suffix: str | None, seed: int | None, idempotency_key: str | None,
-               gpus: int | None, nodes: int | None, extra: tuple[str, ...], as_json: bool) -> None:
+               gpus: int | None, nodes: int | None, fsdp: bool, extra: tuple[str, ...], as_json: bool) -> None:
     """Create a fine-tuning job; it is submitted at once (to Slurm; in local mode it starts on this machine)."""
     named = {"n_epochs": epochs, "learning_rate_multiplier": learning_rate_multiplier, "lora_r": lora_r,
              "batch_size_tokens": batch_size_tokens, "max_seq_len": max_seq_len}
     hp = {**{k: v for k, v in named.items() if v is not None}, **_parse_hp(extra)}
     body = {"model": model, "training_file": training_file, "validation_file": validation_file,
             "hyperparameters": hp or None, "suffix": suffix, "seed": seed,
-            "resources": {"gpus": gpus or 1, "nodes": nodes or 1} if gpus or nodes else None}
+            "resources": {"gpus": gpus or 1, "nodes": nodes or 1, "fsdp": fsdp} if gpus or nodes or fsdp else None}
     obj = call("POST", "/v1/fine_tuning/jobs", json={k: v for k, v in body.items() if v is not None},
                headers={"Idempotency-Key": idempotency_key} if idempotency_key else None).json()
     if as_json:

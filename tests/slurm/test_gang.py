@@ -57,7 +57,8 @@ def _ranks(user: str) -> list[int]:
 def test_two_node_job_trains_publishes_and_matches_one_process(gw: LiveGateway, train_file: str) -> None:
     gang = gw.create(T, train_file, GANG_HP, resources=TWO_NODES, seed=5)
     single = gw.create(T, train_file, GANG_HP, seed=5)
-    assert gang["resources"] == TWO_NODES and gang["qos"] == "ft-standard"   # ft-small allows 1 GPU per user
+    # ft-small allows 1 GPU per user
+    assert gang["resources"] == {**TWO_NODES, "fsdp": False} and gang["qos"] == "ft-standard"
     done = gw.wait(T, gang["id"], terminal, 300)
     one = gw.wait(T, single["id"], terminal, 300)
     assert done["status"] == "succeeded", done["error"]
@@ -73,6 +74,25 @@ def test_two_node_job_trains_publishes_and_matches_one_process(gw: LiveGateway, 
     assert worst < 1e-3, (a, b)
     cleaned = gw.wait(T, gang["id"], lambda j: j["cleanup"] in ("confirmed", "failed"), 60)
     assert cleaned["cleanup"] == "confirmed"     # both nodes' epilogs reported clean
+
+
+def test_two_node_fsdp_job_shards_the_model_and_matches_one_process(gw: LiveGateway, train_file: str) -> None:
+    """resources.fsdp: the 4-bit base sharded over the two nodes' ranks (FSDP2 over gloo)."""
+    gang = gw.create(T, train_file, GANG_HP, resources={**TWO_NODES, "fsdp": True}, seed=5)
+    single = gw.create(T, train_file, GANG_HP, seed=5)
+    assert gang["resources"] == {**TWO_NODES, "fsdp": True}
+    done = gw.wait(T, gang["id"], terminal, 300)
+    one = gw.wait(T, single["id"], terminal, 300)
+    assert done["status"] == "succeeded", done["error"]
+    assert one["status"] == "succeeded", one["error"]
+    assert _sacct(done["slurm_job_id"], "NNodes") == "2"
+    a, b = _losses(gw, gang["id"]), _losses(gw, single["id"])
+    assert a.keys() == b.keys() and len(a) >= 3
+    worst = max(abs(a[s] - b[s]) / max(abs(b[s]), 1e-6) for s in a)
+    print(f"\n2-node FSDP gang vs 1 process: {len(a)} steps, worst relative loss difference {worst:.2e}")
+    assert worst < 1e-3, (a, b)
+    log = next((STORAGE / "tenants" / T / "jobs" / gang["id"]).glob("slurm-*.out")).read_text()
+    assert log.count("fsdp: 2 decoder layers sharded over 2 rank(s)") == 2   # both ranks, one on each node
 
 
 def test_more_gpus_than_the_qos_allows_is_refused_with_the_limit(gw: LiveGateway, train_file: str) -> None:

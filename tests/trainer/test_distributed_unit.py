@@ -129,3 +129,36 @@ def test_world_size_is_in_range_and_hashed_only_when_set() -> None:
     for bad in (0, 1025):
         with pytest.raises(SpecError, match=r"world_size: .*\(allowed range: 1 <= world_size <= 1024\)"):
             parse_spec(_spec(world_size=bad))
+
+
+def test_fsdp_is_hashed_only_when_set() -> None:
+    assert parse_spec(_spec()).fsdp is False
+    assert spec_hash(parse_spec(_spec(fsdp=False))) == spec_hash(parse_spec(_spec()))  # in-flight jobs
+    assert spec_hash(parse_spec(_spec(fsdp=True))) != spec_hash(parse_spec(_spec()))
+
+
+def _raised_in(filename: str, message: str) -> RuntimeError:
+    try:
+        exec(compile(f"raise RuntimeError({message!r})", filename, "exec"))  # noqa: S102 - a frame with that name
+    except RuntimeError as e:
+        return e
+    raise AssertionError("not raised")
+
+
+def test_a_lost_peer_is_a_transport_error_raised_in_torch_distributed_only() -> None:
+    from trainer.distributed import _lost_peer
+
+    c10d = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+    assert _lost_peer(_raised_in(c10d, "[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]"))
+    assert _lost_peer(_raised_in(c10d, "Timed out waiting 30000ms for recv operation to complete"))
+    assert not _lost_peer(_raised_in(c10d, "Cannot use ReduceOp.PREMUL_SUM with Gloo"))  # a bug, not a peer
+    # the same words from model code (say, a tenant's data in a message) are not a peer
+    assert not _lost_peer(_raised_in("/venv/lib/python3.11/site-packages/transformers/x.py", "Connection closed"))
+
+
+def test_one_rank_not_sharded_never_touches_torch_distributed() -> None:
+    world = World()
+    world.connect("cpu")
+    assert world._dist is None and not world.sharded
+    with world.collectives("anything"):  # no-op outside FSDP
+        pass

@@ -118,6 +118,15 @@ def two_ranks_dropout(tiny: Tiny, toy: ToyData, tmp_path_factory: pytest.TempPat
 
 
 
+@pytest.fixture(scope="module")
+def two_ranks_fsdp(tiny: Tiny, toy: ToyData, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """2 ranks sharding the 4-bit base, LoRA and Adam state (FSDP2 over gloo)."""
+    base = tmp_path_factory.mktemp("two-ranks-fsdp")
+    spec = _spec(tiny, toy, base / "job", 2, dropout=0.0)
+    spec["fsdp"] = True
+    return _run(base, spec)
+
+
 def _files(job_dir: Path) -> list[str]:
     return sorted(str(p.relative_to(job_dir)) for p in job_dir.rglob("*"))
 
@@ -142,6 +151,84 @@ def test_two_ranks_train_as_one_process_and_only_rank_0_writes(one_rank: Run, tw
     kinds = [[e["type"] for e in events(r.job_dir)] for r in (one_rank, two_ranks)]
     assert kinds[0] == kinds[1] and kinds[0][-1] == "done"
     assert _files(one_rank.job_dir) == _files(two_ranks.job_dir)
+
+
+def test_two_ranks_sharded_with_fsdp_train_as_one_process(one_rank: Run, two_ranks_fsdp: Run) -> None:
+    """FSDP2 over 2 ranks: the steps, losses and adapter of one process; one writer; the same checkpoint format."""
+    import torch
+    from safetensors.torch import load_file
+
+    one, two = losses(one_rank.staging), losses(two_ranks_fsdp.staging)
+    assert [s for s, _ in one] == [s for s, _ in two] == list(range(1, STEPS + 1))
+    loss_diff = max(abs(a - b) / abs(a) for (_, a), (_, b) in zip(one, two, strict=True))
+    mine, theirs = adapter(two_ranks_fsdp.staging), adapter(one_rank.staging)
+    assert mine.keys() == theirs.keys()
+    adapter_diff = {n: float((mine[n] - theirs[n]).abs().max() / theirs[n].abs().max().clamp_min(1e-12))
+                    for n in mine}
+    evals = [json.loads((r.staging / "eval.json").read_text()) for r in (one_rank, two_ranks_fsdp)]
+    eval_diff = abs(evals[0]["after"]["loss"] - evals[1]["after"]["loss"]) / evals[0]["after"]["loss"]
+    print(f"\n1 rank {one_rank.seconds:.1f} s, 2 FSDP ranks {two_ranks_fsdp.seconds:.1f} s; {STEPS} steps: worst "
+          f"relative difference of the step losses {loss_diff:.2e}, of the adapter tensors "
+          f"{max(adapter_diff.values()):.2e}, of the final eval loss {eval_diff:.2e}")
+    assert loss_diff <= LOSS_RTOL and eval_diff <= LOSS_RTOL
+    assert max(adapter_diff.values()) <= ADAPTER_TOL, adapter_diff
+    assert evals[0]["after"]["tokens"] == evals[1]["after"]["tokens"]
+    kinds = [[e["type"] for e in events(r.job_dir)] for r in (one_rank, two_ranks_fsdp)]
+    assert kinds[0] == kinds[1] and kinds[0][-1] == "done"
+    assert _files(one_rank.job_dir) == _files(two_ranks_fsdp.job_dir)
+    # the checkpoints hold whole tensors in the unsharded layout: gathered, not one rank's shard
+    newest = max((two_ranks_fsdp.job_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name[5:]))
+    ref = one_rank.job_dir / "checkpoints" / newest.name
+    got, want = load_file(newest / "adapter.safetensors"), load_file(ref / "adapter.safetensors")
+    assert {n: t.shape for n, t in got.items()} == {n: t.shape for n, t in want.items()}
+    state = [torch.load(d / "state.pt", weights_only=True)["optimizer"] for d in (newest, ref)]
+    assert state[0]["state"].keys() == state[1]["state"].keys()
+    assert all(state[0]["state"][i]["exp_avg"].shape == state[1]["state"][i]["exp_avg"].shape
+               for i in state[1]["state"])
+
+
+def test_fsdp_sigusr1_checkpoints_gathered_state_and_the_requeued_run_resumes_exactly(
+    two_ranks_fsdp: Run, tiny: Tiny, toy: ToyData, tmp_path: Path
+) -> None:
+    job_dir = tmp_path / "job"
+    spec = _spec(tiny, toy, job_dir, 2, dropout=0.0)
+    spec["fsdp"] = True
+    spec["checkpoint_every_steps"] = 1000  # the checkpoint must come from the signal
+    spec_path = write_spec(spec, tmp_path / "spec.json")
+    procs = _start_ranks(spec_path, tmp_path, 2)
+    assert wait_for(lambda: _step(job_dir) >= 3, 120), _tail(tmp_path)
+    for p in procs:
+        p.send_signal(signal.SIGUSR1)
+    codes = _wait(procs, timeout=60)
+    stopped = [e for e in events(job_dir) if e["type"] == "stopped"]
+    checkpoints = sorted(p.name for p in (job_dir / "checkpoints").iterdir())
+    print(f"\nFSDP, SIGUSR1 to both: exits {codes}, stopped at {[e['step'] for e in stopped]}, "
+          f"checkpoints {checkpoints}")
+    assert codes == [exitcodes.REQUEUE, exitcodes.REQUEUE], _tail(tmp_path)
+    assert checkpoints == [f"step-{stopped[0]['step']}"]
+    assert _wait(_start_ranks(spec_path, tmp_path, 2, attempt=1)) == [0, 0], _tail(tmp_path)
+    resumed = [e["resumed_from_step"] for e in events(job_dir) if "resumed_from_step" in e]
+    assert resumed == [stopped[0]["step"]]
+    assert_same_run(job_dir / "attempts" / "1" / "staging", two_ranks_fsdp.staging)
+
+
+def test_fsdp_sigkill_of_rank_1_fails_rank_0_as_peer_lost(tiny: Tiny, toy: ToyData, tmp_path: Path) -> None:
+    """A rank dying inside FSDP's gathers (model code, not our collectives) is PEER_LOST too, never a hang."""
+    job_dir = tmp_path / "job"
+    spec = _spec(tiny, toy, job_dir, 2, dropout=0.0)
+    spec["fsdp"] = True
+    rank0, rank1 = _start_ranks(write_spec(spec, tmp_path / "spec.json"), tmp_path, 2)
+    assert wait_for(lambda: _step(job_dir) >= 2, 120), _tail(tmp_path)
+    rank1.kill()
+    killed_at = time.monotonic()
+    rc = rank0.wait(timeout=TIMEOUT_S + 30)
+    seconds = time.monotonic() - killed_at
+    failed = [e for e in events(job_dir) if e["type"] == "failed"]
+    print(f"\nFSDP, rank 1 SIGKILLed: rank 0 exit {rc} {seconds:.2f} s later: "
+          f"{failed[-1]['message'][:160] if failed else '-'}")
+    assert rc == exitcodes.PEER_LOST and seconds < TIMEOUT_S + 10, _tail(tmp_path)
+    assert failed and failed[-1]["error"] == "PeerError"
+    assert not list(job_dir.glob("attempts/*/staging/COMPLETE"))
 
 
 def _step(job_dir: Path) -> int:

@@ -123,6 +123,7 @@ def _signal_run(
     seen = _steps_since(job_dir, 0)
     t0 = time.monotonic()
     proc.send_signal(signum)
+    sent = _steps_since(job_dir, 0)  # the bound: this process may lose the CPU between `seen` and the kill
     rc = proc.wait(timeout=60)
     seconds = time.monotonic() - t0
     stopped = next(e for e in events(job_dir) if e["type"] == "stopped")
@@ -131,7 +132,7 @@ def _signal_run(
         f"\n{name}: exit {rc} {seconds:.3f} s after the signal (in-process "
         f"{stopped['signal_to_exit_s']} s), signal at step {seen}, stopped at {stopped['step']}"
     )
-    assert stopped["step"] <= seen + 2  # within one step (plus the poll's lag)
+    assert seen <= stopped["step"] <= sent + 1  # at the first stop check after the signal, at the latest
     assert seconds < 3.0
     assert stopped["checkpoint_step"] == stopped["step"]
     assert (job_dir / "checkpoints" / f"step-{stopped['step']}" / "COMPLETE").is_file()

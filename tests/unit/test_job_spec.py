@@ -57,6 +57,10 @@ def test_a_gang_job_asks_the_trainer_for_one_rank_per_gpu(tmp_path: Path) -> Non
     spec = job_spec(s, "acme", job, train, None, ENTRY)
     assert spec["world_size"] == 4 and parse_spec(spec).world_size == 4
     assert "world_size" not in _spec(tmp_path)          # one GPU: the spec (and its hash) as before
+    sharded = FineTuningJob(id="ftjob-" + "d" * 24, tenant_id=1, training_file="file-1", model="tiny-chat",
+                            hyperparameters={}, gpus=4, nodes=2, fsdp=True)
+    assert parse_spec(job_spec(s, "acme", sharded, train, None, ENTRY)).fsdp is True
+    assert "fsdp" not in spec and "fsdp" not in _spec(tmp_path)   # not asked for: the spec as before
 
 
 @pytest.mark.parametrize(("gpus", "nodes", "local", "message"), [
@@ -64,6 +68,7 @@ def test_a_gang_job_asks_the_trainer_for_one_rank_per_gpu(tmp_path: Path) -> Non
     (32, 32, False, r"resources.nodes \(32\) is over this site's limit of 16"),
     (16, 1, False, r"16 GPUs per node is over this site's 8 per node"),
     (2, 1, True, "local mode runs one trainer process"),
+    (1, 1, True, "resources.fsdp needs a Slurm gang"),
 ])
 def test_gangs_this_site_cannot_run_are_refused(tmp_path: Path, gpus: int, nodes: int, local: bool,
                                                message: str) -> None:
@@ -72,7 +77,7 @@ def test_gangs_this_site_cannot_run_are_refused(tmp_path: Path, gpus: int, nodes
     s = Settings(storage_root=tmp_path, database_url="sqlite://", **({"backend": "local", "data_dir": tmp_path}
                                                                      if local else {}))
     with pytest.raises(ServiceError, match=message) as e:
-        check_resources(s, gpus, nodes)
+        check_resources(s, gpus, nodes, fsdp=local and gpus == 1)
     assert e.value.status == 400 and (e.value.param or "").startswith("resources")
     check_resources(Settings(storage_root=tmp_path, database_url="sqlite://"), 8, 2)   # 4 per node: fine
 
