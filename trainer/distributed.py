@@ -362,7 +362,7 @@ class World:
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
         with self.collectives("adapter gather"):
-            state = get_model_state_dict(model, options=options)
+            state: dict[str, Any] = dict(get_model_state_dict(model, options=options))
         return {name: t.contiguous() for name, t in state.items()}
 
     def load_adapter(self, model: Any, state: dict[str, Any]) -> None:
@@ -396,7 +396,7 @@ class World:
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         with self.collectives("optimizer gather"):
-            state = get_optimizer_state_dict(model, optimizer, options=options)
+            state: Any = get_optimizer_state_dict(model, optimizer, options=options)
         if not self.is_main:
             return {}
         index = {name: i for i, name in enumerate(_trainable_names(model))}
@@ -413,7 +413,7 @@ class World:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         names = _trainable_names(model)
-        by_name = {
+        by_name: Any = {
             "state": {names[int(i)]: value for i, value in state["state"].items()},
             "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in state["param_groups"]],
         } if self.is_main else {}
