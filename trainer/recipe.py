@@ -75,7 +75,7 @@ from trainer.model import (
     resolve_device,
 )
 from trainer.packing import Example, Row, micro_batches, plan
-from trainer.spec import JobSpec, spec_hash
+from trainer.spec import JobSpec, checkpoint_hash, spec_hash
 
 log = logging.getLogger("trainer")
 
@@ -154,6 +154,7 @@ class Recipe:
         self.stop = stop
         self.world = world or World()
         self.spec_hash = spec_hash(spec)
+        self.checkpoint_hash = checkpoint_hash(spec)  # what a checkpoint is pinned to: any world size, any sharding
         self.job_dir = Path(spec.job_dir)
         self.checkpoints = self.job_dir / "checkpoints"
         self.staging = self.job_dir / "attempts" / str(attempt) / "staging"
@@ -277,7 +278,8 @@ class Recipe:
             path = ckpt.step_dir(self.checkpoints, step)
             try:
                 state = json.loads((path / "progress.json").read_text())
-                if state["spec_hash"] != self.spec_hash:
+                # spec_hash: a checkpoint a gang wrote before checkpoint_hash existed
+                if state["spec_hash"] not in (self.checkpoint_hash, self.spec_hash):
                     raise CheckpointError(
                         f"checkpoint {path.name} was written for another spec "
                         f"({state['spec_hash']}); refusing to mix jobs"
@@ -486,7 +488,7 @@ class Recipe:
         buffer = io.BytesIO()
         torch.save(tensors, buffer)
         progress = {
-            "spec_hash": self.spec_hash,
+            "spec_hash": self.checkpoint_hash,
             "step": step,
             "elapsed_s": self.progress.elapsed_s,
             "metrics": self.progress.metrics,

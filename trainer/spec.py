@@ -291,3 +291,12 @@ def spec_to_json(spec: JobSpec) -> str:
 def spec_hash(spec: JobSpec) -> str:
     """Return ``sha256:<hex>`` of the canonical JSON of ``spec``."""
     return "sha256:" + hashlib.sha256(spec_to_json(spec).encode()).hexdigest()
+
+
+def checkpoint_hash(spec: JobSpec) -> str:
+    """Return the hash a checkpoint is pinned to: :func:`spec_hash` of ``spec`` laid out on one
+    process (``world_size`` 1, no ``fsdp``). Steps, data order and the checkpoint format do not
+    depend on the layout, so a checkpoint resumes on any number of ranks, sharded or not; for a
+    one-process spec it is the spec hash itself (checkpoints written before it existed still match)."""
+    return spec_hash(spec.model_copy(update={"world_size": 1, "fsdp": False}))
+

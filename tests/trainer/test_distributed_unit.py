@@ -162,3 +162,14 @@ def test_one_rank_not_sharded_never_touches_torch_distributed() -> None:
     assert world._dist is None and not world.sharded
     with world.collectives("anything"):  # no-op outside FSDP
         pass
+
+
+def test_a_checkpoint_is_pinned_to_the_spec_not_to_its_layout_over_ranks() -> None:
+    from trainer.spec import checkpoint_hash
+
+    plain = parse_spec(_spec())
+    assert checkpoint_hash(plain) == spec_hash(plain)  # one process: checkpoints written before it still match
+    for layout in ({"world_size": 4}, {"world_size": 2, "fsdp": True}, {"fsdp": True}):
+        assert checkpoint_hash(parse_spec(_spec(**layout))) == checkpoint_hash(plain), layout
+    other = parse_spec(_spec(hyperparameters={"learning_rate": 1e-3}))
+    assert checkpoint_hash(other) != checkpoint_hash(plain)

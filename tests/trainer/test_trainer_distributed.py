@@ -212,6 +212,36 @@ def test_fsdp_sigusr1_checkpoints_gathered_state_and_the_requeued_run_resumes_ex
     assert_same_run(job_dir / "attempts" / "1" / "staging", two_ranks_fsdp.staging)
 
 
+def test_a_checkpoint_of_2_fsdp_ranks_resumes_in_one_process_as_if_it_had_run_there(
+    one_rank: Run, tiny: Tiny, toy: ToyData, tmp_path: Path
+) -> None:
+    """Steps, data order and the checkpoint format do not depend on the layout: a job stopped on
+    2 sharded ranks continues on 1 unsharded process and ends where 1 process alone ends."""
+    job_dir = tmp_path / "job"
+    spec = _spec(tiny, toy, job_dir, 2, dropout=0.0)
+    spec["fsdp"] = True
+    spec["checkpoint_every_steps"] = 1000
+    procs = _start_ranks(write_spec(spec, tmp_path / "spec-2.json"), tmp_path, 2)
+    assert wait_for(lambda: _step(job_dir) >= 4, 120), _tail(tmp_path)
+    for p in procs:
+        p.send_signal(signal.SIGUSR1)
+    assert _wait(procs, timeout=60) == [exitcodes.REQUEUE] * 2, _tail(tmp_path)
+    stopped = next(e for e in events(job_dir) if e["type"] == "stopped")["step"]
+    alone = {**spec, "world_size": 1, "fsdp": False}
+    assert run_trainer(write_spec(alone, tmp_path / "spec-1.json"), tmp_path / "rank0.log", attempt=1) == 0
+    resumed = [e["resumed_from_step"] for e in events(job_dir) if "resumed_from_step" in e]
+    staging = job_dir / "attempts" / "1" / "staging"
+    mine, theirs = losses(staging), losses(one_rank.staging)
+    assert [s for s, _ in mine] == [s for s, _ in theirs]
+    loss_diff = max(abs(a - b) / abs(a) for (_, a), (_, b) in zip(theirs, mine, strict=True))
+    got, want = adapter(staging), adapter(one_rank.staging)
+    adapter_diff = max(float((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-12)) for n in want)
+    print(f"\n2 FSDP ranks stopped at step {stopped}, 1 process resumed from {resumed} to step {STEPS}: vs 1 "
+          f"process throughout, worst relative step-loss difference {loss_diff:.2e}, adapter {adapter_diff:.2e}")
+    assert resumed == [stopped] and 4 <= stopped < STEPS
+    assert loss_diff <= LOSS_RTOL and adapter_diff <= ADAPTER_TOL
+
+
 def test_fsdp_sigkill_of_rank_1_fails_rank_0_as_peer_lost(tiny: Tiny, toy: ToyData, tmp_path: Path) -> None:
     """A rank dying inside FSDP's gathers (model code, not our collectives) is PEER_LOST too, never a hang."""
     job_dir = tmp_path / "job"
