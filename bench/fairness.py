@@ -32,6 +32,8 @@ repeats, each from zeroed fairshare usage (``RawUsage=0``):
   one); and honest ``--time``, the gateway's estimate rule ``ceil(1.5 x length)``
   (without its 5-minute floor, which covers trainer start-up that sleeps do not
   have), so backfill can see where a job fits.
+- ``uncapped``: ``shipped`` without the big tier's per-user GPU cap
+  (``ft-bench-big-uncapped``: priority 10, 8 GPUs per user): what the cap buys.
 - ``flat``: the same Slurm (multifactor fairshare, backfill) without the two:
   one tier for both tenants (``ft-bench-flat``: priority 20, 8 GPUs per user)
   and every ``--time`` at the tier's MaxWall (30 min), what a submission that
@@ -46,7 +48,7 @@ both tenants' jobs wait the same share of their time in the system).
 
     /opt/slurm-finetune/venv/bin/python bench/fairness.py --scenario gang [--repeats 3]
 
-Runtime: about 4 minutes per repeat and policy (~25 min for 3 repeats).
+Runtime: about 3 minutes per repeat and policy (~30 min for 3 repeats of 3 policies).
 """
 
 from __future__ import annotations
@@ -131,12 +133,16 @@ GANG_TIERS = {
     "ft-bench-small": QosTier(name="ft-bench-small", description="fairness bench: small jobs, as ft-small",
                               priority=30, max_gpus_per_user=4, max_wall_min=30, max_jobs_per_user=8,
                               max_submit_jobs_per_user=60, deny_on_limit=True),
+    "ft-bench-big-uncapped": QosTier(name="ft-bench-big-uncapped", description="fairness bench: big, no cap",
+                                     priority=10, max_gpus_per_user=8, max_wall_min=30, max_jobs_per_user=8,
+                                     max_submit_jobs_per_user=60, deny_on_limit=True),
     "ft-bench-flat": QosTier(name="ft-bench-flat", description="fairness bench: one tier, no caps",
                              priority=20, max_gpus_per_user=8, max_wall_min=30, max_jobs_per_user=8,
                              max_submit_jobs_per_user=60, deny_on_limit=True),
 }
 POLICIES = {  # policy -> (A's tier, B's tier, honest --time)
     "shipped": ("ft-bench-big", "ft-bench-small", True),
+    "uncapped": ("ft-bench-big-uncapped", "ft-bench-small", True),
     "flat": ("ft-bench-flat", "ft-bench-flat", False),
 }
 
@@ -249,7 +255,7 @@ def gang_main(args) -> int:  # type: ignore[no-untyped-def]
               f"B {time_limit(policy, args.small_s)} min ({'honest' if honest else 'MaxWall'})")
     runs: list[GangRun] = []
     for i in range(args.repeats):
-        order = list(POLICIES) if i % 2 == 0 else list(reversed(POLICIES))
+        order = list(POLICIES) if i % 2 == 0 else list(reversed(POLICIES))  # alternating
         for policy in order:
             r = gang_once(client, runner, settings.storage_root, policy, args)
             runs.append(r)
@@ -271,10 +277,11 @@ def gang_main(args) -> int:  # type: ignore[no-untyped-def]
     names = {"b_wait_p50": "B wait p50 (s)", "b_wait_p95": "B wait p95 (s)",
              "b_slow_p50": "B slowdown p50", "a_wait_p50": "A wait p50 (s)", "a_wait_max": "A wait max (s)",
              "makespan": "makespan (s)", "util": "GPU utilisation", "jain": "Jain's index"}
-    print(f"{'':18s} {'shipped':>9s} {'flat':>9s} {'shipped/flat':>13s}")
+    print(f"{'':18s} " + " ".join(f"{p:>9s}" for p in POLICIES) + f" {'shipped/flat':>13s}")
     for k, label in names.items():
         s, f = med["shipped"][k], med["flat"][k]
-        print(f"{label:18s} {s:9.2f} {f:9.2f} {s / f if f else float('nan'):13.2f}")
+        print(f"{label:18s} " + " ".join(f"{med[p][k]:9.2f}" for p in POLICIES)
+              + f" {s / f if f else float('nan'):13.2f}")
     print(f"B's job length: {args.small_s}s; A's: {args.big_s}s")
     return 0
 
