@@ -244,12 +244,23 @@ class Recipe:
             self.optimizer, lr_lambda(self.hp.warmup_for(self.total_steps), self.total_steps)
         )
         random.seed(self.hp.seed)
+        if self.spec.init_adapter is not None:  # continued training; a checkpoint below still wins
+            self._init_from_parent(self.spec.init_adapter.path, self.spec.init_adapter.sha256)
         self.resume()
         if not self.world.all_equal(self.last_checkpoint_step):
             raise CheckpointError(
                 f"rank {self.world.rank} resumed from step {max(self.last_checkpoint_step, 0)} but another rank "
                 "from another step (a checkpoint unreadable on some node?): refusing to train diverged ranks"
             )
+
+    def _init_from_parent(self, path: str, sha256: str) -> None:
+        """Replace the seeded LoRA init by the parent adapter's weights (every rank reads the tar)."""
+        from trainer.parent import match_lora, read_adapter
+
+        # a DTensor's shape is the whole parameter's, not this rank's shard
+        shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters() if p.requires_grad}
+        self.world.load_adapter(self.model, match_lora(read_adapter(path, sha256), shapes))
+        log.info("LoRA initialised from the parent adapter (%d tensors)", len(shapes))
 
     def check_stop(self) -> None:
         """Raise :class:`Stop` when a signal arrived (on any rank: every rank calls this at the same points)."""

@@ -148,6 +148,11 @@ class JobSpec(_Strict):
     ``fsdp``: shard the 4-bit base, LoRA weights and optimizer state over the
     ranks (FSDP2) instead of giving every rank the whole model: for a base too
     large for one GPU. Same steps and checkpoint format as without.
+
+    ``init_adapter``: continued training. A published adapter tar (the parent
+    model's, pinned by its sha256) whose LoRA weights replace the seeded init
+    before the first step; its LoRA shape must be this spec's. A checkpoint of
+    this job, when there is one, still wins (a resumed attempt continues itself).
     """
 
     version: Literal[1] = 1
@@ -163,6 +168,7 @@ class JobSpec(_Strict):
     device: Literal["auto", "cuda", "cpu"] = "auto"
     world_size: Annotated[int, Field(ge=1, le=1024)] = 1
     fsdp: bool = False
+    init_adapter: DatasetRef | None = None
 
 
 def _model_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel] | None:
@@ -268,7 +274,7 @@ def load_spec(path: str | Path) -> JobSpec:
 
 
 _ADDED_HYPERPARAMETERS = ("warmup_ratio", "early_stopping_patience", "early_stopping_min_delta", "torch_compile")
-_ADDED_FIELDS = ("device", "world_size", "fsdp")
+_ADDED_FIELDS = ("device", "world_size", "fsdp", "init_adapter")
 """Fields added after version 1 shipped: left out of the canonical JSON while at their default,
 so a spec that does not use them keeps its hash (and an in-flight job its checkpoints) across
 an upgrade."""
