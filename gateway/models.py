@@ -145,6 +145,10 @@ class FineTuningJob(SQLModel, table=True):
     gpus: int = Field(default=1)
     nodes: int = Field(default=1)
     fsdp: bool = Field(default=False)   # shard the model over the ranks (FSDP2), else every rank holds it
+    # continued training: the parent fine-tuned model and its adapter tar (a result file of the parent)
+    parent_model: str | None = Field(default=None, max_length=255)
+    init_file: str | None = Field(default=None, max_length=40)
+    lineage: dict[str, Any] | None = Field(default=None, sa_type=sa.JSON)   # the registry record, at publication
     slurm_job_id: int | None = Field(default=None, index=True)
     attempt: int = Field(default=0)
     slurm_state: str | None = Field(default=None, max_length=32)

@@ -617,6 +617,10 @@ class Recipe:
             "attempt": self.attempt,
             "steps": self.progress.step,
             "best_step": self.progress.best_step,
+            "train_seconds": round(self.progress.elapsed_s, 3),
+            "world_size": self.world.size,
+            "fsdp": self.world.sharded,
+            "versions": _versions(),
             "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
         }
 
@@ -625,6 +629,20 @@ class Recipe:
     def cleanup(self) -> None:
         """Close the event log (every event is already fsynced)."""
         self.events.close()
+
+
+def _versions() -> dict[str, str]:
+    """The versions of what trained the adapter (python and the libraries of the recipe), for its lineage."""
+    import platform
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for dist in ("slurm-finetune", "torch", "transformers", "peft", "bitsandbytes", "safetensors"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
 
 
 def _tuples(value: Any) -> Any:

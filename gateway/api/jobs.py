@@ -70,7 +70,7 @@ def job_object(job: FineTuningJob, tenant: str) -> dict[str, Any]:
         error = {"code": job.error.get("code"), "message": job.error.get("message"),
                  "param": job.error.get("param")}
     return {
-        "object": "fine_tuning.job", "id": job.id, "model": job.model,
+        "object": "fine_tuning.job", "id": job.id, "model": job.parent_model or job.model,
         "created_at": _ts(job.created_at), "finished_at": _ts(job.finished_at),
         "fine_tuned_model": job.fine_tuned_model, "organization_id": tenant,
         "result_files": job.result_files or [], "status": job.status,

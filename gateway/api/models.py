@@ -27,9 +27,13 @@ def _catalog(settings: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _ft_model(job: FineTuningJob, tenant: str) -> dict[str, Any]:
-    return {"id": job.fine_tuned_model, "object": "model", "created": int(job.finished_at.timestamp())
-            if job.finished_at else 0, "owned_by": tenant, "root": job.model, "job_id": job.id}
+def _ft_model(job: FineTuningJob, tenant: str, lineage: bool = False) -> dict[str, Any]:
+    created = int(job.finished_at.timestamp()) if job.finished_at else 0
+    out: dict[str, Any] = {"id": job.fine_tuned_model, "object": "model", "created": created, "owned_by": tenant,
+                           "root": job.model, "parent": job.parent_model, "job_id": job.id}
+    if lineage:   # the registry record (gateway.services.publication.build_lineage); None before it existed
+        out["lineage"] = job.lineage
+    return out
 
 
 @router.get("", dependencies=[access(Policy.AUTHENTICATED)])
@@ -45,10 +49,16 @@ def list_models(session: SessionDep, settings: SettingsDep, principal: Principal
 @router.get("/{model_id:path}", dependencies=[access(Policy.AUTHENTICATED)])
 def retrieve_model(model_id: str, session: SessionDep, settings: SettingsDep,
                    principal: PrincipalDep) -> dict[str, Any]:
-    """One model of ``GET /v1/models`` by id (a base model or one of the tenant's); 404 otherwise."""
-    for m in list_models(session, settings, principal)["data"]:
-        if m["id"] == model_id:
-            return m
+    """One model of ``GET /v1/models`` by id (a base model or one of the tenant's, with its
+    ``lineage``); 404 otherwise, a foreign tenant's model included."""
+    if principal.tenant_name and model_id.startswith("ft:"):
+        for j in jobs_svc.fine_tuned_models(session=session, principal=principal):
+            if j.fine_tuned_model == model_id:
+                return _ft_model(j, principal.tenant_name, lineage=True)
+    else:
+        for m in _catalog(settings):
+            if m["id"] == model_id:
+                return m
     raise NotFound(f"no such model: {model_id}", param="model")
 
 

@@ -45,6 +45,9 @@ def _mount_optional_groups() -> None:
         from trainer.cli import models
     except ImportError:
         return
+    from gateway.usercli.models import show_model
+
+    models.add_command(show_model, "show")   # a tenant's model record, over HTTP
     main.add_command(models, "models")
 
 

@@ -231,6 +231,11 @@ def check_resources(settings: Settings, gpus: int, nodes: int, fsdp: bool = Fals
                            param="resources.fsdp")
 
 
+def catalog_entry(settings: Settings, name: str) -> CatalogEntry:
+    """The base model ``name`` of the site's catalog; ServiceError (``model_not_found``) naming the others."""
+    return _catalog_entry(settings, name)
+
+
 def _catalog_entry(settings: Settings, name: str) -> CatalogEntry:
     from trainer import catalog
 
@@ -275,8 +280,14 @@ def create_job(*, session: Session, settings: Settings, principal: Principal, re
     train = _usable_file(session, principal, req.training_file, "training_file")
     val = _usable_file(session, principal, req.validation_file, "validation_file") \
         if req.validation_file else None
-    entry = _catalog_entry(settings, req.model)
     hp = build_hyperparameters(req.hyperparameters)
+    parent, init = _parent(session, principal, req.model, hp) if req.model.startswith("ft:") else (None, None)
+    base = parent.model if parent is not None else req.model
+    entry = _catalog_entry(settings, base)
+    if parent is not None and parent.model_digest and entry.digest != parent.model_digest:
+        raise ServiceError(f"the base model {base} changed since {req.model} was trained (digest "
+                           f"{parent.model_digest}, now {entry.digest}): its adapter does not fit the new base",
+                           param="model", code="model_changed")
     if req.seed is not None:
         hp["seed"] = req.seed
     epochs = _epochs(hp)
@@ -285,12 +296,14 @@ def create_job(*, session: Session, settings: Settings, principal: Principal, re
     _admit(session, settings, tid, tokens, minutes)
     _gpus_allowed(submit, tenant_name, minutes, req.gpus)
     job = FineTuningJob(tenant_id=tid, training_file=train.id, validation_file=val.id if val else None,
-                        model=req.model, model_digest=entry.digest, hyperparameters=hp,
+                        model=base, model_digest=entry.digest, hyperparameters=hp,
+                        parent_model=req.model if parent is not None else None,
+                        init_file=init.id if init is not None else None,
                         suffix=req.suffix, seed=req.seed, meta=req.metadata,
                         idempotency_key=req.idempotency_key, request_hash=req.digest(),
                         estimated_tokens=tokens, time_limit_min=minutes, gpus=req.gpus, nodes=req.nodes,
                         fsdp=req.fsdp)
-    spec = job_spec(settings, tenant_name, job, train, val, entry)  # validates hp before any row exists
+    spec = job_spec(settings, tenant_name, job, train, val, entry, init)  # validates hp before any row exists
     try:
         with session.begin_nested():
             session.add(job)
@@ -306,6 +319,40 @@ def create_job(*, session: Session, settings: Settings, principal: Principal, re
     assert principal.tenant_name is not None
     submit_job(session=session, job=job, spec=spec, tenant=principal.tenant_name, submit=submit)
     return job
+
+
+LORA_SHAPE = ("lora_r", "lora_alpha", "target_modules")
+"""Hyperparameters a continued job takes from its parent: the adapter's shape and scale."""
+
+
+def _parent(session: Session, principal: Principal, model_id: str, hp: dict[str, Any]
+            ) -> tuple[FineTuningJob, DataFile]:
+    """The tenant's own published model ``model_id`` and its adapter tar, for continued training.
+
+    Fills ``hp`` with the parent's LoRA shape (``LORA_SHAPE``) where the request leaves it out.
+    Raises NotFound (404) for a model the tenant does not own (a foreign one included),
+    ServiceError (400) when its adapter file is gone or the request asks for another LoRA shape."""
+    from trainer.spec import Hyperparameters
+
+    tid = _tenant_id(principal)
+    parent = session.exec(select(FineTuningJob).where(FineTuningJob.tenant_id == tid,
+                                                      FineTuningJob.fine_tuned_model == model_id)).first()
+    if parent is None or parent.status != JobState.SUCCEEDED:
+        raise NotFound(f"no such model: {model_id}", param="model")
+    adapters = [f for f in (session.get(DataFile, i) for i in parent.result_files or [])
+                if f is not None and f.deleted_at is None and f.filename == f"{parent.id}-adapter.tar"]
+    if not adapters:
+        raise ServiceError(f"{model_id}'s adapter file is deleted: it cannot be trained further",
+                           param="model", code="invalid_model")
+    inherited = Hyperparameters.model_validate(
+        {k: v for k, v in (parent.hyperparameters or {}).items() if k in LORA_SHAPE}).model_dump(mode="json")
+    for key in LORA_SHAPE:
+        if key in hp and Hyperparameters.model_validate({key: hp[key]}).model_dump(mode="json")[key] \
+                != inherited[key]:
+            raise ServiceError(f"hyperparameters.{key} must be the parent's ({inherited[key]!r}) to continue "
+                               f"training {model_id}: the adapter keeps its shape", param=f"hyperparameters.{key}")
+        hp[key] = inherited[key]
+    return parent, adapters[0]
 
 
 def _gpus_allowed(submit: Submit, tenant: str, minutes: int, gpus: int) -> None:
@@ -348,9 +395,10 @@ def job_dir(settings: Settings, tenant: str, job_id: str) -> str:
 
 
 def job_spec(settings: Settings, tenant: str, job: FineTuningJob, train: DataFile,
-             val: DataFile | None, entry: CatalogEntry) -> dict[str, Any]:
+             val: DataFile | None, entry: CatalogEntry, init: DataFile | None = None) -> dict[str, Any]:
     """The trainer's spec for ``job`` of ``tenant`` (plain values: creation and recovery build
-    it the same way); ServiceError naming the field if it is invalid."""
+    it the same way); ``init``: the parent's adapter tar (continued training). ServiceError
+    naming the field if it is invalid."""
     from gateway.services.files import file_parts
     from trainer.errors import SpecError
     from trainer.spec import parse_spec
@@ -371,6 +419,8 @@ def job_spec(settings: Settings, tenant: str, job: FineTuningJob, train: DataFil
         **({"device": settings.job_device} if settings.job_device != "auto" else {}),
         **({"world_size": job.gpus} if job.gpus > 1 else {}),
         **({"fsdp": True} if job.fsdp else {}),
+        **({"init_adapter": {"path": layout.absolute(settings.storage_root, tenant, file_parts(init)),
+                             "sha256": init.sha256}} if init is not None else {}),
     }
     try:
         parse_spec(spec)

@@ -11,6 +11,9 @@ commits; on any failure it rolls back and removes what was built. Imports the mo
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 from sqlmodel import Session
 
 from gateway.config import Settings
@@ -18,13 +21,71 @@ from gateway.errors import Conflict, ServiceError
 from gateway.jobs import publish
 from gateway.jobs.state import Cleanup, Event, FailReason
 from gateway.models import DataFile, FineTuningJob, new_id, utcnow
+from gateway.services import jobs as jobs_svc
 from gateway.services.jobs import apply_event
 from gateway.storage import Storage, layout
+
+log = logging.getLogger(__name__)
 
 
 def fine_tuned_model_name(job: FineTuningJob, tenant: str) -> str:
     """The name a published job's model is known by (``ft:<base>:<tenant>:<suffix>:<job id>``)."""
     return f"ft:{job.model}:{tenant}:{job.suffix or ''}:{job.id}"
+
+
+def build_lineage(*, session: Session, settings: Settings, job: FineTuningJob, tenant: str,
+                  built: dict[str, Any], results: dict[str, tuple[int, str]]) -> dict[str, Any]:
+    """The registry record of ``job``'s model, at publication.
+
+    From the gateway's own records: base model and digest, the datasets' ids and sha256s, the
+    resolved hyperparameters and seed, the spec hash, the Slurm job, account, QOS, attempts and
+    layout, the parent model, the results' sha256s (computed by the broker from the files it
+    built). ``trainer`` holds what the trainer reported in its manifest (library versions,
+    steps, training seconds; it runs as the tenant, so it is the tenant's word), and
+    ``spec_verified`` says whether the spec hash it reported is the gateway's: then the
+    hyperparameters here are the ones it trained with.
+    """
+    from trainer.spec import Hyperparameters, parse_spec, spec_hash
+
+    train = session.get(DataFile, job.training_file)
+    val = session.get(DataFile, job.validation_file) if job.validation_file else None
+    init = session.get(DataFile, job.init_file) if job.init_file else None
+    hp = {k: v for k, v in (job.hyperparameters or {}).items() if k not in ("checkpoint_every_steps",
+                                                                           "keep_checkpoints")}
+    resolved = Hyperparameters.model_validate(hp).model_dump(mode="json")
+    ours: str | None = None
+    try:
+        entry = jobs_svc.catalog_entry(settings, job.model)
+        if train is not None:
+            ours = spec_hash(parse_spec(jobs_svc.job_spec(settings, tenant, job, train, val, entry, init)))
+    except ServiceError:
+        ours = None   # the base left the catalog: the record says it could not check
+    raw_manifest, raw_eval = built.get("manifest"), built.get("evaluation")
+    reported: dict[str, Any] = raw_manifest if isinstance(raw_manifest, dict) else {}
+    evaluation: dict[str, Any] = raw_eval if isinstance(raw_eval, dict) else {}
+
+    def loss(when: str) -> float | None:
+        part = evaluation.get(when)
+        value = part.get("loss") if isinstance(part, dict) else None
+        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+    seconds = reported.get("train_seconds")
+    return {
+        "base_model": {"name": job.model, "digest": job.model_digest},
+        "parent": job.parent_model,
+        "training_file": {"id": job.training_file, "sha256": train.sha256 if train else None},
+        "validation_file": {"id": val.id, "sha256": val.sha256} if val else None,
+        "hyperparameters": resolved, "seed": resolved["seed"],
+        "spec_hash": ours, "spec_verified": ours is not None and reported.get("spec_hash") == ours,
+        "trainer": reported,
+        "slurm": {"job_id": job.slurm_job_id, "account": tenant, "qos": job.qos, "attempts": job.attempt + 1,
+                  "gpus": job.gpus, "nodes": job.nodes, "fsdp": job.fsdp,
+                  "training_gpu_seconds": round(seconds * job.gpus, 1) if isinstance(seconds, float) else None},
+        "eval": {"before": loss("before"), "after": loss("after"),
+                 "best_step": evaluation.get("best_step") if isinstance(evaluation.get("best_step"), int) else None},
+        "results": {name: f"sha256:{sha}" for name, (_, sha) in results.items()},
+        "published_at": utcnow().isoformat(timespec="seconds"),
+    }
 
 
 def publish_attempt(*, session: Session, settings: Settings, storage: Storage, job: FineTuningJob,
@@ -63,8 +124,14 @@ def publish_attempt(*, session: Session, settings: Settings, storage: Storage, j
             session.add(row)
             rows.append(row)
         session.flush()
+        try:
+            lineage = build_lineage(session=session, settings=settings, job=job, tenant=tenant_name,
+                                    built=built, results=results)
+        except Exception:  # noqa: BLE001 - a record that cannot be built never blocks the publication
+            log.exception("job %s: no lineage record", job.id)
+            lineage = None
         apply_event(session, job, Event.PUBLISHED, message="The job has successfully completed",
-                    fine_tuned_model=fine_tuned_model_name(job, tenant_name),
+                    fine_tuned_model=fine_tuned_model_name(job, tenant_name), lineage=lineage,
                     result_files=[r.id for r in rows], finished_at=utcnow(), cleanup=Cleanup.PENDING)
         store.publish_commit(built["name"], aid)
         committed = True

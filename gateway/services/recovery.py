@@ -41,12 +41,15 @@ def resubmittable_spec(*, session: Session, settings: Settings, storage: Storage
 def _rebuilt_spec(session: Session, settings: Settings, job: FineTuningJob, tenant: Tenant) -> dict[str, Any] | None:
     train = session.get(DataFile, job.training_file)
     val = session.get(DataFile, job.validation_file) if job.validation_file else None
+    init = session.get(DataFile, job.init_file) if job.init_file else None
     if train is None or train.deleted_at is not None or (val is not None and val.deleted_at is not None):
+        return None
+    if job.init_file and (init is None or init.deleted_at is not None):
         return None
     try:
         entry = job_service._catalog_entry(settings, job.model)   # looked up at call time (tests patch it)
         if job.model_digest and entry.digest != job.model_digest:
             return None
-        return job_service.job_spec(settings, tenant.name, job, train, val, entry)
+        return job_service.job_spec(settings, tenant.name, job, train, val, entry, init)
     except ServiceError:
         return None

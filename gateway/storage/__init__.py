@@ -252,7 +252,8 @@ class TenantStorage:
 
     def publish_build(self, job_id: str, attempt: int, model_digest: str | None) -> dict[str, Any]:
         """Verify the attempt's staging and build its results in a hidden artifacts/.pub-* dir.
-        Returns ``name`` (that dir), ``results`` (each one's bytes and sha256) and ``evaluation`` (eval.json)."""
+        Returns ``name`` (that dir), ``results`` (each one's bytes and sha256), ``evaluation`` (eval.json)
+        and ``manifest`` (the checked subset of the trainer's manifest the lineage keeps: ``verbs.reported``)."""
         return self._call("publish_build", {"job_id": job_id, "attempt": attempt,
                                             "model_digest": model_digest}).result
 

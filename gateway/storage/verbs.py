@@ -348,7 +348,7 @@ def publish_build(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
     try:
         manifest, opened = verify_staging(sfd, attempt=attempt, model_digest=args.get("model_digest"))
         try:
-            return _build(ctx, job_id, sfd, opened)
+            return _build(ctx, job_id, sfd, opened, reported(manifest))
         finally:
             for fd in opened.values():
                 os.close(fd)
@@ -356,7 +356,36 @@ def publish_build(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
         os.close(sfd)
 
 
-def _build(ctx: Ctx, job_id: str, sfd: int, opened: dict[str, int]) -> Reply:
+REPORTED_VERSIONS = ("python", "slurm-finetune", "torch", "transformers", "peft", "bitsandbytes", "safetensors")
+
+
+def reported(manifest: dict[str, Any]) -> dict[str, Any]:
+    """What the gateway keeps of a (tenant-written) manifest for the model's lineage: known keys
+    only, each of its type and bounded (strings of at most 100 characters), else left out."""
+    def text(v: Any) -> str | None:
+        return v if isinstance(v, str) and len(v) <= 100 and v.isprintable() else None
+
+    def count(v: Any) -> int | None:
+        return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**53 else None
+
+    raw = manifest.get("versions")
+    versions: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    raw = manifest.get("files")
+    files: dict[Any, Any] = raw if isinstance(raw, dict) else {}
+    seconds = manifest.get("train_seconds")
+    return {
+        "spec_hash": text(manifest.get("spec_hash")),
+        "steps": count(manifest.get("steps")), "best_step": count(manifest.get("best_step")),
+        "world_size": count(manifest.get("world_size")),
+        "fsdp": manifest.get("fsdp") if isinstance(manifest.get("fsdp"), bool) else None,
+        "train_seconds": float(seconds) if isinstance(seconds, int | float) and not isinstance(seconds, bool)
+        and 0 <= seconds < 1e9 else None,
+        "versions": {k: text(versions.get(k)) for k in REPORTED_VERSIONS},
+        "files": {k: v for k, v in files.items() if text(k) and text(v)},
+    }
+
+
+def _build(ctx: Ctx, job_id: str, sfd: int, opened: dict[str, int], manifest: dict[str, Any]) -> Reply:
     try:
         evaluation = json.loads(safefs.read_fd(opened["eval.json"], MAX_EVAL_BYTES))
         os.lseek(opened["eval.json"], 0, os.SEEK_SET)
@@ -407,7 +436,7 @@ def _build(ctx: Ctx, job_id: str, sfd: int, opened: dict[str, int]) -> Reply:
                 os.close(fd)
         os.fsync(out)
         os.fsync(art)
-        return Reply({"name": name, "results": results, "evaluation": evaluation})
+        return Reply({"name": name, "results": results, "evaluation": evaluation, "manifest": manifest})
     except BaseException:
         safefs.remove(art, name)
         raise

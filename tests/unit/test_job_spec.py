@@ -10,10 +10,12 @@ from gateway.config import Settings
 from gateway.errors import ServiceError
 from gateway.models import DataFile, FineTuningJob
 from gateway.services.jobs import build_hyperparameters, job_spec
+from gateway.storage.layout import result_path
 from trainer.catalog import CatalogEntry
 from trainer.spec import parse_spec, spec_hash
 
 SHA = "a" * 64
+ART = "art-" + "d" * 24
 ENTRY = CatalogEntry("tiny-chat", "sha256:" + "b" * 64, "tiny-chat/x", "2026-12-01T00:00:00+00:00", 1)
 
 
@@ -92,3 +94,17 @@ def test_the_estimate_counts_the_ranks(tmp_path: Path) -> None:
     assert estimate(s, train, 1) == (600_000, 15)          # 600 s x 1.5 margin
     assert estimate(s, train, 1, gpus=4) == (600_000, 5)   # 600 s / 3.4 x 1.5 = 4.4 min -> the 5-minute floor
     assert estimate(s, train, 2, gpus=2)[1] < estimate(s, train, 2)[1]
+
+
+def test_a_continued_job_points_the_trainer_at_its_parents_adapter_tar(tmp_path: Path) -> None:
+    s = Settings(storage_root=tmp_path, database_url="sqlite://")
+    train = DataFile(id="file-1", tenant_id=1, filename="t.jsonl", bytes=10, sha256=SHA)
+    tar = DataFile(id="file-2", tenant_id=1, filename="ftjob-p-adapter.tar", bytes=10, sha256="c" * 64,
+                   purpose="fine-tune-results", path=result_path(ART, "adapter.tar"))
+    job = FineTuningJob(id="ftjob-" + "e" * 24, tenant_id=1, training_file="file-1", model="tiny-chat",
+                        hyperparameters={}, parent_model="ft:tiny-chat:acme::ftjob-p", init_file="file-2")
+    spec = job_spec(s, "acme", job, train, None, ENTRY, tar)
+    parsed = parse_spec(spec)
+    assert parsed.init_adapter is not None and parsed.init_adapter.sha256 == "c" * 64
+    assert parsed.init_adapter.path == str(tmp_path / "tenants" / "acme" / "artifacts" / ART / "adapter.tar")
+    assert "init_adapter" not in _spec(tmp_path)    # a fresh job: the spec (and its hash) as before

@@ -1,0 +1,47 @@
+"""``finetune models show``: one model's record over HTTP, a fine-tuned model's lineage included."""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import quote
+
+import click
+
+from gateway.usercli.client import _echo_json, call
+
+
+def _lines(record: dict[str, Any]) -> list[str]:
+    lin = record.get("lineage") or {}
+    if not lin:
+        return [f"{record['id']}  (base model, digest {record.get('digest')})"] if "digest" in record else \
+            [f"{record['id']}  (no lineage recorded: published before the registry existed)"]
+    slurm, ev, trainer = lin.get("slurm") or {}, lin.get("eval") or {}, lin.get("trainer") or {}
+    val = lin.get("validation_file")
+    versions = ", ".join(f"{k} {v}" for k, v in (trainer.get("versions") or {}).items() if v)
+    return [
+        record["id"],
+        f"  base        {lin['base_model']['name']} ({lin['base_model']['digest']})",
+        f"  parent      {lin.get('parent') or '-'}",
+        f"  training    {lin['training_file']['id']} sha256:{lin['training_file']['sha256']}",
+        f"  validation  {val['id'] + ' sha256:' + val['sha256'] if val else 'held out of the training file'}",
+        f"  spec        {lin.get('spec_hash')} (trainer agrees: {'yes' if lin.get('spec_verified') else 'NO'})",
+        "  hyperparams " + ", ".join(f"{k}={v}" for k, v in sorted((lin.get("hyperparameters") or {}).items())),
+        f"  slurm       job {slurm.get('job_id')}, account {slurm.get('account')}, QOS {slurm.get('qos')}, "
+        f"{slurm.get('attempts')} attempt(s), {slurm.get('gpus')} GPU(s) on {slurm.get('nodes')} node(s), "
+        f"{slurm.get('training_gpu_seconds')} training GPU-seconds",
+        f"  eval loss   before {ev.get('before')}, after {ev.get('after')}",
+        f"  trainer     {trainer.get('steps')} steps; {versions}",
+    ]
+
+
+@click.command("show")
+@click.argument("model_id")
+@click.option("--json", "as_json", is_flag=True, help="The whole record: the reproducibility bundle.")
+def show_model(model_id: str, as_json: bool) -> None:
+    """A model's record: for a fine-tuned model, what it was made from (its lineage)."""
+    record = call("GET", f"/v1/models/{quote(model_id, safe=':')}").json()
+    if as_json:
+        _echo_json(record)
+        return
+    for line in _lines(record):
+        click.echo(line)
