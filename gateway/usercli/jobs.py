@@ -39,7 +39,8 @@ def jobs() -> None:
 @jobs.command("create")
 @click.option("--training-file", required=True, help="File id of a processed training dataset.")
 @click.option("--validation-file", help="File id of a processed validation dataset.")
-@click.option("--model", required=True, help="Base model from the catalog (`finetune models list`).")
+@click.option("--model", required=True,
+              help="Base model from the catalog (`finetune models list`), or your ft:... model to train further.")
 @click.option("--epochs", type=click.IntRange(1, 100))
 @click.option("--learning-rate-multiplier", type=click.FloatRange(min=0, min_open=True))
 @click.option("--lora-r", type=click.IntRange(1, 1024))
