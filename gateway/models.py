@@ -260,3 +260,19 @@ class PortalSession(SQLModel, table=True):
     token_id: int = Field(foreign_key="api_tokens.id", index=True)
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     expires_at: datetime = Field(sa_type=UTCDateTime, index=True)
+
+
+class ModelAlias(SQLModel, table=True):
+    """A tenant's named pointer to one of its fine-tuned models of a base (``prod`` for tiny-chat),
+    moved only by a gated promotion (gateway.services.registry)."""
+
+    __tablename__ = "model_aliases"
+    __table_args__ = (sa.UniqueConstraint("tenant_id", "base_model", "alias", name="uq_model_alias"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    tenant_id: int = Field(foreign_key="tenants.id", index=True)
+    base_model: str = Field(max_length=100)
+    alias: str = Field(max_length=40)
+    fine_tuned_model: str = Field(max_length=255)
+    promoted_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    promoted_by: int | None = None            # the token id

@@ -45,3 +45,31 @@ def show_model(model_id: str, as_json: bool) -> None:
         return
     for line in _lines(record):
         click.echo(line)
+
+
+@click.command("promote")
+@click.argument("model_id")
+@click.option("--alias", required=True, help="The alias to move, e.g. prod (one per base model).")
+@click.option("--tolerance", type=click.FloatRange(0, 10), default=0.0, show_default=True,
+              help="How much worse (eval loss) the candidate may be than the current holder.")
+def promote_model(model_id: str, alias: str, tolerance: float) -> None:
+    """Point ALIAS at MODEL_ID if its eval is not worse than the holder's (tenant admins; audited)."""
+    r = call("POST", "/v1/model_aliases", json={"model": model_id, "alias": alias, "tolerance": tolerance}).json()
+    gate = r["gate"]
+    was = f"{gate['holder']} (eval loss {gate['holder_loss']})" if gate["holder"] else "nothing"
+    click.echo(f"{r['alias']} of {r['base_model']} -> {r['model']} (eval loss {gate['candidate_loss']:.6g}); "
+               f"it was {was}")
+
+
+@click.command("aliases")
+@click.option("--json", "as_json", is_flag=True)
+def list_aliases(as_json: bool) -> None:
+    """Your aliases: which model each name of each base points at."""
+    rows = call("GET", "/v1/model_aliases").json()["data"]
+    if as_json:
+        _echo_json(rows)
+        return
+    if not rows:
+        click.echo("no aliases yet: `finetune models promote ft:... --alias prod`")
+    for r in rows:
+        click.echo(f"{r['base_model']:20s} {r['alias']:12s} {r['model']}")
