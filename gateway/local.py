@@ -205,6 +205,14 @@ class LocalScheduler:
         """The status of each local job, from its folder (``missing`` when it has none)."""
         return {int(j): self._state(int(j)) for j in job_ids}
 
+    def pause(self, job_id: int) -> str | None:
+        """Local mode has no queue to hold a job in: refused (the API answers 409 before this)."""
+        raise SlurmError("local mode cannot pause a job: it has no scheduler queue")
+
+    def release(self, job_id: int) -> None:
+        """See :meth:`pause`."""
+        raise SlurmError("local mode cannot pause or resume a job: it has no scheduler queue")
+
     def find_by_name(self, names: Iterable[str]) -> dict[str, int]:
         """Local job ids by job name (from each job folder's meta.json); names not found are left out."""
         wanted, found = set(names), {}

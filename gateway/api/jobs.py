@@ -151,6 +151,26 @@ def cancel_job(job_id: str, request: Request, session: SessionDep, principal: Pr
     return job_object(job, principal.tenant_name)
 
 
+@router.post("/{job_id}/pause")
+def pause_job(job_id: str, request: Request, session: SessionDep, settings: SettingsDep,
+              principal: PrincipalDep) -> dict[str, Any]:
+    """``paused`` at once; Slurm holds the job and the trainer checkpoints and leaves its GPU."""
+    job = svc.pause_job(session=session, settings=settings, principal=principal, job_id=job_id,
+                        control=request.app.state.reconciler)
+    assert principal.tenant_name is not None
+    return job_object(job, principal.tenant_name)
+
+
+@router.post("/{job_id}/resume")
+def resume_job(job_id: str, request: Request, session: SessionDep, settings: SettingsDep,
+               principal: PrincipalDep) -> dict[str, Any]:
+    """``queued`` again; the hold is released and the job continues from its last checkpoint."""
+    job = svc.resume_job(session=session, settings=settings, principal=principal, job_id=job_id,
+                         control=request.app.state.reconciler)
+    assert principal.tenant_name is not None
+    return job_object(job, principal.tenant_name)
+
+
 @router.get("/{job_id}/events")
 def list_events(job_id: str, session: SessionDep, principal: PrincipalDep,
                 after: str | None = Query(None, pattern=r"^ftevent-\d{1,18}$"),

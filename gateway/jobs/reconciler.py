@@ -38,7 +38,7 @@ from gateway.slurm.records import SlurmParseError, expand_nodelist
 from gateway.storage import storage_for
 
 log = logging.getLogger(__name__)
-WATCHED = (JobState.QUEUED, JobState.RUNNING, JobState.PUBLISHING, JobState.CANCELLING)
+WATCHED = (JobState.QUEUED, JobState.RUNNING, JobState.PAUSED, JobState.PUBLISHING, JobState.CANCELLING)
 SWEEP_EVERY_S = 60.0       # look for leftovers of interrupted publications this often
 SWEEP_MIN_AGE_S = 60.0     # older than any publication in flight (they take well under a second)
 
@@ -61,6 +61,7 @@ class Reconciler:
         self.storage = storage_for(settings)
         self.stop = threading.Event()
         self._cancelling: set[int] = set()
+        self._pausing: set[int] = set()
         self._next_sweep = 0.0
         self._lock = threading.Lock()
 
@@ -189,6 +190,8 @@ class Reconciler:
         d = decide(state, view, gone=not st.active, trainer_failure=trainer_failure(job))
         if d.action is Action.CANCEL:
             self.start_cancel(job.slurm_job_id)
+        elif d.action is Action.PAUSE:
+            self.start_pause(job.slurm_job_id)
         elif d.action is Action.CANCELLED:
             apply_event(s, job, Event.STOPPED, message="Job cancelled: Slurm confirms no process is left",
                         stop_confirmed_at=utcnow(), finished_at=utcnow(), cleanup=Cleanup.PENDING)
@@ -236,6 +239,32 @@ class Reconciler:
                     self._cancelling.discard(slurm_id)
 
         threading.Thread(target=work, name=f"cancel-{slurm_id}", daemon=True).start()
+
+    def start_pause(self, slurm_id: int | None) -> None:
+        """Hold the Slurm job and send it the checkpoint signal (``SlurmClient.pause``), once per
+        job at a time, in a thread; the reconciler repeats it while Slurm still runs the job."""
+        if slurm_id is None:
+            return
+        with self._lock:
+            if slurm_id in self._pausing:
+                return
+            self._pausing.add(slurm_id)
+
+        def work() -> None:
+            try:
+                log.info("Slurm job %s: pause (was %s)", slurm_id, self.client.pause(slurm_id))
+            except SlurmError as e:
+                log.warning("pause of Slurm job %s: %s", slurm_id, e)
+            finally:
+                with self._lock:
+                    self._pausing.discard(slurm_id)
+
+        threading.Thread(target=work, name=f"pause-{slurm_id}", daemon=True).start()
+
+    def release(self, slurm_id: int | None) -> None:
+        """Release the Slurm job's hold now (the resume); SlurmError when Slurm refuses."""
+        if slurm_id is not None:
+            self.client.release(slurm_id)
 
     # -------------------------------------------------------------- cleanup
     def _confirm_cleanups(self, s: Session) -> None:

@@ -28,6 +28,14 @@ class Scheduler(Protocol):
         """Stop the job (SIGTERM, SIGKILL after ``deadline_s``); returns once none of its processes is left."""
         ...
 
+    def pause(self, job_id: int) -> str | None:
+        """Hold the job and make it checkpoint and leave its GPU; the state it was in (None: gone)."""
+        ...
+
+    def release(self, job_id: int) -> None:
+        """Release the job's hold: it queues again and resumes from its checkpoint."""
+        ...
+
     def find_by_name(self, names: Iterable[str]) -> dict[str, int]:
         """Job ids by job name, for adopting a job whose submission was never recorded."""
         ...

@@ -19,6 +19,7 @@ class JobState(StrEnum):
     QUEUED = "queued"
     RUNNING = "running"
     PUBLISHING = "publishing"
+    PAUSED = "paused"                # the tenant paused it: checkpointed, held in Slurm's queue
     SUCCEEDED = "succeeded"
     CANCELLING = "cancelling"
     CANCELLED = "cancelled"
@@ -38,6 +39,8 @@ class Event(StrEnum):
     COMPLETED = "completed"          # Slurm: COMPLETED (exit 0)
     PUBLISHED = "published"          # artifacts moved into place, in the same transaction
     CANCEL = "cancel"                # tenant asked
+    PAUSE = "pause"                  # tenant asked: checkpoint, leave the GPU, stay held
+    RESUME = "resume"                # tenant asked: release the hold, continue from the checkpoint
     STOPPED = "stopped"              # Slurm says the job ended (any way) and no process is left
     ERROR = "error"                  # failed, with a FailReason
 
@@ -88,6 +91,13 @@ def _table() -> dict[tuple[JobState, Event], JobState]:
         (S.CANCELLING, E.ERROR): S.CANCELLED,
         (S.CANCELLING, E.STARTED): S.CANCELLING,
         (S.CANCELLING, E.REQUEUED): S.CANCELLING,
+        (S.QUEUED, E.PAUSE): S.PAUSED,
+        (S.RUNNING, E.PAUSE): S.PAUSED,
+        (S.PAUSED, E.PAUSE): S.PAUSED,            # pause is idempotent
+        (S.PAUSED, E.STARTED): S.PAUSED,          # still checkpointing after the signal
+        (S.PAUSED, E.REQUEUED): S.PAUSED,         # checkpointed and back in the queue, held
+        (S.PAUSED, E.COMPLETED): S.PUBLISHING,    # it finished before the pause took effect
+        (S.PAUSED, E.RESUME): S.QUEUED,
     }
     for s in ACTIVE - {S.CANCELLING}:
         t[(s, E.CANCEL)] = S.CANCELLING
@@ -204,6 +214,7 @@ class Action(StrEnum):
     NOTHING = "nothing"
     CANCEL = "cancel"              # CANCELLING and Slurm may still run it: (re)start the cancel
     CANCELLED = "cancelled"        # CANCELLING and Slurm shows no process left: apply STOPPED
+    PAUSE = "pause"                # PAUSED and Slurm still runs it: (re)send hold + checkpoint signal
     PUBLISH = "publish"            # PUBLISHING: (re)try the publication
     START = "start"                # apply STARTED
     REQUEUE = "requeue"            # apply REQUEUED
@@ -232,6 +243,10 @@ def decide(state: JobState, view: SlurmView, *, gone: bool = False,
         return Decision(Action.CANCELLED if gone else Action.CANCEL)
     if state is JobState.PUBLISHING:
         return Decision(Action.PUBLISH)
+    if state is JobState.PAUSED and view.event is Event.STARTED:
+        return Decision(Action.PAUSE)
+    if state is JobState.PAUSED and view.event is None:
+        return Decision(Action.NOTHING)          # held in the queue, as asked
     if view.event is Event.STARTED and state is JobState.QUEUED:
         return Decision(Action.START)
     if view.event is Event.REQUEUED and state is JobState.RUNNING:

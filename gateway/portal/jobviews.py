@@ -11,7 +11,7 @@ from gateway.services.jobs import BASE_LEARNING_RATE, DEFAULT_EPOCHS, JobRequest
 
 ACTIVE_STATES = frozenset(s.value for s in ACTIVE)
 BADGES: dict[str, str] = {JobState.VALIDATING_FILES: "wait", JobState.QUEUED: "wait",
-                          JobState.RUNNING: "run",
+                          JobState.RUNNING: "run", JobState.PAUSED: "warn",
                           JobState.PUBLISHING: "run", JobState.CANCELLING: "warn", JobState.SUCCEEDED: "ok",
                           JobState.CANCELLED: "muted", JobState.FAILED: "bad"}
 

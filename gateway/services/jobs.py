@@ -512,6 +512,63 @@ def cancel_job(*, session: Session, principal: Principal, job_id: str,
     return job
 
 
+class PauseControl(Protocol):
+    """What holds and releases a job in Slurm (the reconciler: ``scontrol hold``/``release``)."""
+
+    def start_pause(self, slurm_id: int | None) -> None:
+        """Hold the job and make it checkpoint and leave its GPU, without waiting."""
+        ...
+
+    def release(self, slurm_id: int | None) -> None:
+        """Release the job's hold (SlurmError when Slurm refuses)."""
+        ...
+
+
+def _change(session: Session, principal: Principal, job_id: str, event: Event, allowed: set[JobState],
+            message: str) -> FineTuningJob:
+    """Apply ``event`` to the caller's job if it is in one of ``allowed`` (Conflict otherwise), committed."""
+    for _ in range(5):
+        job = get_job(session=session, principal=principal, job_id=job_id)
+        state = JobState(job.status)
+        if state not in allowed:
+            names = " or ".join(sorted(s.value for s in allowed))
+            raise Conflict(f"job {job_id} is {state.value}: only a {names} job can {event.value}",
+                           code="invalid_state")
+        try:
+            apply_event(session, job, event, message=message)
+            session.commit()
+            return job
+        except StaleJob:
+            session.rollback()
+            session.expire_all()
+    raise Conflict(f"job {job_id} is changing state; retry", code="busy")
+
+
+def pause_job(*, session: Session, settings: Settings, principal: Principal, job_id: str,
+              control: PauseControl | None) -> FineTuningJob:
+    """Pause a queued or running job (idempotent): ``paused`` at once; Slurm holds it, the trainer
+    checkpoints after its current step and leaves the GPU. Conflict (409) in any other state or
+    without Slurm (local mode)."""
+    if control is None or settings.local:
+        raise Conflict("pausing needs Slurm: this gateway runs jobs in local mode", code="not_supported")
+    job = _change(session, principal, job_id, Event.PAUSE, {JobState.QUEUED, JobState.RUNNING, JobState.PAUSED},
+                  "Pause requested: the job checkpoints and leaves its GPU; resume continues from there")
+    control.start_pause(job.slurm_job_id)
+    return job
+
+
+def resume_job(*, session: Session, settings: Settings, principal: Principal, job_id: str,
+               control: PauseControl | None) -> FineTuningJob:
+    """Resume a paused job: ``queued`` again, the hold released; it continues from its newest
+    checkpoint when Slurm starts it. Conflict (409) unless it is paused."""
+    if control is None or settings.local:
+        raise Conflict("pausing needs Slurm: this gateway runs jobs in local mode", code="not_supported")
+    job = _change(session, principal, job_id, Event.RESUME, {JobState.PAUSED},
+                  "Resumed: queued again; it continues from its last checkpoint")
+    control.release(job.slurm_job_id)
+    return job
+
+
 def delete_model(*, session: Session, settings: Settings, principal: Principal, job: FineTuningJob) -> None:
     """Delete a fine-tuned model: its result files, checkpoints and staging leave the tenant's
     storage (removed as the tenant, by name beneath its root: a link planted there is removed

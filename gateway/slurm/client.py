@@ -108,6 +108,25 @@ class SlurmClient:
         """``scontrol requeue`` the job; SlurmCommandError when Slurm refuses."""
         self._run(["scontrol", "requeue", str(int(job_id))]).check()
 
+    def pause(self, job_id: int) -> str | None:
+        """Hold ``job_id`` (an operator hold: its owner cannot release it) and, if it runs, send its
+        batch script SIGUSR1, the "checkpoint and requeue" signal: the trainer checkpoints after the
+        step it is in, exits 75, the script requeues the job and the hold keeps it pending. Returns
+        the Slurm state it found; None when the job is already gone. Idempotent."""
+        jid = str(int(job_id))
+        status = self.states([job_id])[job_id]
+        if not status.active:
+            return None
+        self._run(["scontrol", "hold", jid]).check()
+        if status.state in (S.RUNNING, S.CONFIGURING):
+            self._run(["scancel", "--signal=USR1", "--batch", jid])   # ended meanwhile: nothing to signal
+        return status.state
+
+    def release(self, job_id: int) -> None:
+        """Release the hold of ``job_id`` (``scontrol release``): it queues again and resumes from its
+        newest checkpoint when it starts. SlurmCommandError when Slurm refuses."""
+        self._run(["scontrol", "release", str(int(job_id))]).check()
+
     def cancel(self, job_id: int, *, deadline_s: float = 30.0, poll_s: float = 0.25,
                kill_wait_s: float = 60.0) -> CancelResult:
         """Cancel ``job_id`` within ``deadline_s``: SIGTERM now, SIGKILL once it passes.

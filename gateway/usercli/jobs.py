@@ -240,6 +240,30 @@ def _finish(job: dict[str, Any], as_json: bool) -> None:
         raise SystemExit(1)
 
 
+@jobs.command("pause")
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True)
+def pause(job_id: str, as_json: bool) -> None:
+    """Pause a queued or running job: it checkpoints, leaves its GPU and waits, held, for `resume`."""
+    obj = call("POST", f"/v1/fine_tuning/jobs/{job_id}/pause").json()
+    if as_json:
+        _echo_json(obj)
+    else:
+        click.echo(f"{job_id}: paused (resume with `finetune jobs resume {job_id}`)")
+
+
+@jobs.command("resume")
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True)
+def resume(job_id: str, as_json: bool) -> None:
+    """Resume a paused job: queued again, it continues from its last checkpoint."""
+    obj = call("POST", f"/v1/fine_tuning/jobs/{job_id}/resume").json()
+    if as_json:
+        _echo_json(obj)
+    else:
+        click.echo(f"{job_id}: {obj['status']}; it continues from its last checkpoint when Slurm starts it")
+
+
 @jobs.command("cancel")
 @click.argument("job_id")
 @click.option("--wait", is_flag=True, help="Wait until Slurm confirms the job stopped.")

@@ -33,6 +33,10 @@ EXPECTED = {
     (S.CANCELLING, E.CANCEL): S.CANCELLING, (S.CANCELLING, E.STOPPED): S.CANCELLED,
     (S.CANCELLING, E.COMPLETED): S.CANCELLED, (S.CANCELLING, E.ERROR): S.CANCELLED,
     (S.CANCELLING, E.STARTED): S.CANCELLING, (S.CANCELLING, E.REQUEUED): S.CANCELLING,
+    # pause: from queued or running; held until resumed; a job that finished first still publishes
+    (S.QUEUED, E.PAUSE): S.PAUSED, (S.RUNNING, E.PAUSE): S.PAUSED, (S.PAUSED, E.PAUSE): S.PAUSED,
+    (S.PAUSED, E.STARTED): S.PAUSED, (S.PAUSED, E.REQUEUED): S.PAUSED,
+    (S.PAUSED, E.COMPLETED): S.PUBLISHING, (S.PAUSED, E.RESUME): S.QUEUED,
     **{(s, E.CANCEL): S.CANCELLING for s in ACTIVE - {S.CANCELLING}},
     **{(s, E.ERROR): S.FAILED for s in ACTIVE - {S.CANCELLING}},
 }
@@ -105,7 +109,7 @@ def test_from_slurm(slurm: str | None, exit_code: int | None, running: bool, eve
 
 def test_openai_names() -> None:
     assert {s.value for s in JobState} - {"cancelling", "publishing"} == {
-        "validating_files", "queued", "running", "succeeded", "failed", "cancelled"}
+        "validating_files", "queued", "running", "paused", "succeeded", "failed", "cancelled"}
 
 
 A = Action
@@ -118,6 +122,7 @@ DECISIONS = {
     **{(S.PUBLISHING, k): A.PUBLISH for k in KINDS},
     (S.QUEUED, E.STARTED): A.START,
     (S.RUNNING, E.REQUEUED): A.REQUEUE,
+    (S.PAUSED, E.STARTED): A.PAUSE,        # Slurm still runs it: (re)send the hold and the signal
     **{(s, E.COMPLETED): A.COMPLETE for s in set(S) - {S.CANCELLING, S.PUBLISHING}},
     **{(s, k): A.FAIL for s in set(S) - {S.CANCELLING, S.PUBLISHING} for k in (E.ERROR, E.STOPPED)},
 }
@@ -144,7 +149,7 @@ def test_decide_every_state_and_event(state: JobState, kind: Event | None, gone:
         assert got == Decision(want)
 
 
-@pytest.mark.parametrize("state", [S.QUEUED, S.RUNNING, S.PUBLISHING, S.CANCELLING])
+@pytest.mark.parametrize("state", [S.QUEUED, S.RUNNING, S.PAUSED, S.PUBLISHING, S.CANCELLING])
 @pytest.mark.parametrize("gone", [False, True])
 def test_decide_never_picks_an_event_a_watched_state_refuses(state: JobState, gone: bool) -> None:
     for kind in KINDS:
