@@ -159,6 +159,26 @@ def live(job_id: str, request: Request, session: SessionDep, user: UserDep) -> R
     return JSONResponse({"status": job.status, **parts, "series": ctx["series"], "done": done})
 
 
+@router.post("/{job_id}/pause")
+def pause(job_id: str, request: Request, session: SessionDep, settings: SettingsDep, user: UserDep,
+          csrf: Annotated[str, Form(max_length=100)] = "") -> Response:
+    """Pause the job (CSRF-checked) and go back to its page."""
+    check_csrf(user.csrf, csrf)
+    job = svc.pause_job(session=session, settings=settings, principal=user.principal, job_id=job_id,
+                        control=request.app.state.reconciler)
+    return RedirectResponse(f"/portal/jobs/{job.id}", status_code=303)
+
+
+@router.post("/{job_id}/resume")
+def resume(job_id: str, request: Request, session: SessionDep, settings: SettingsDep, user: UserDep,
+           csrf: Annotated[str, Form(max_length=100)] = "") -> Response:
+    """Resume the paused job (CSRF-checked) and go back to its page."""
+    check_csrf(user.csrf, csrf)
+    job = svc.resume_job(session=session, settings=settings, principal=user.principal, job_id=job_id,
+                         control=request.app.state.reconciler)
+    return RedirectResponse(f"/portal/jobs/{job.id}", status_code=303)
+
+
 @router.get("/{job_id}/cancel")
 def confirm_cancel(job_id: str, request: Request, session: SessionDep, user: UserDep) -> Response:
     """The page that asks to confirm a cancellation."""
