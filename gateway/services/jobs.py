@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
@@ -470,27 +471,37 @@ def submit_job(*, session: Session, job: FineTuningJob, spec: dict[str, Any], te
 
 
 # ----------------------------------------------------------------------- cancel
-def request_cancel(*, session: Session, principal: Principal, job_id: str) -> FineTuningJob:
-    """Mark the job cancelling at once (idempotent). Conflict (409) if it already finished."""
+def _retrying(session: Session, principal: Principal, job_id: str,
+              change: Callable[[FineTuningJob], bool]) -> FineTuningJob:
+    """Read the caller's job and apply ``change`` to it (True: it wrote, committed now); read and
+    try again when another writer changed the row first (StaleJob). Conflict (``busy``) after 5."""
     for _ in range(5):
         job = get_job(session=session, principal=principal, job_id=job_id)
-        state = JobState(job.status)
-        if state is JobState.CANCELLING:
-            return job
-        if state not in ACTIVE:
-            raise Conflict(f"job {job_id} already {state.value}: nothing to cancel", code="job_finished")
         try:
-            apply_event(session, job, Event.CANCEL, message="Cancellation requested",
-                        cancel_requested_at=utcnow())
-            if job.slurm_job_id is None:   # never reached Slurm: nothing to stop
-                apply_event(session, job, Event.STOPPED, message="Job cancelled (it never reached Slurm)",
-                            stop_confirmed_at=utcnow(), finished_at=utcnow())
-            session.commit()
+            if change(job):
+                session.commit()
             return job
         except StaleJob:
             session.rollback()
             session.expire_all()
     raise Conflict(f"job {job_id} is changing state; retry", code="busy")
+
+
+def request_cancel(*, session: Session, principal: Principal, job_id: str) -> FineTuningJob:
+    """Mark the job cancelling at once (idempotent). Conflict (409) if it already finished."""
+    def cancel(job: FineTuningJob) -> bool:
+        state = JobState(job.status)
+        if state is JobState.CANCELLING:
+            return False
+        if state not in ACTIVE:
+            raise Conflict(f"job {job_id} already {state.value}: nothing to cancel", code="job_finished")
+        apply_event(session, job, Event.CANCEL, message="Cancellation requested", cancel_requested_at=utcnow())
+        if job.slurm_job_id is None:   # never reached Slurm: nothing to stop
+            apply_event(session, job, Event.STOPPED, message="Job cancelled (it never reached Slurm)",
+                        stop_confirmed_at=utcnow(), finished_at=utcnow())
+        return True
+
+    return _retrying(session, principal, job_id, cancel)
 
 
 class CancelStarter(Protocol):
@@ -527,21 +538,16 @@ class PauseControl(Protocol):
 def _change(session: Session, principal: Principal, job_id: str, event: Event, allowed: set[JobState],
             message: str) -> FineTuningJob:
     """Apply ``event`` to the caller's job if it is in one of ``allowed`` (Conflict otherwise), committed."""
-    for _ in range(5):
-        job = get_job(session=session, principal=principal, job_id=job_id)
+    def change(job: FineTuningJob) -> bool:
         state = JobState(job.status)
         if state not in allowed:
             names = " or ".join(sorted(s.value for s in allowed))
             raise Conflict(f"job {job_id} is {state.value}: only a {names} job can {event.value}",
                            code="invalid_state")
-        try:
-            apply_event(session, job, event, message=message)
-            session.commit()
-            return job
-        except StaleJob:
-            session.rollback()
-            session.expire_all()
-    raise Conflict(f"job {job_id} is changing state; retry", code="busy")
+        apply_event(session, job, event, message=message)
+        return True
+
+    return _retrying(session, principal, job_id, change)
 
 
 def pause_job(*, session: Session, settings: Settings, principal: Principal, job_id: str,

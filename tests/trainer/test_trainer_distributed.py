@@ -131,26 +131,31 @@ def _files(job_dir: Path) -> list[str]:
     return sorted(str(p.relative_to(job_dir)) for p in job_dir.rglob("*"))
 
 
-def test_two_ranks_train_as_one_process_and_only_rank_0_writes(one_rank: Run, two_ranks: Run) -> None:
-    one, two = losses(one_rank.staging), losses(two_ranks.staging)
+def _same_as_one_process(one_rank: Run, other: Run, label: str) -> None:
+    """``other`` trained as one process did: steps, losses, adapter, final eval; one writer, same files."""
+    one, two = losses(one_rank.staging), losses(other.staging)
     assert [s for s, _ in one] == [s for s, _ in two] == list(range(1, STEPS + 1))
     loss_diff = max(abs(a - b) / abs(a) for (_, a), (_, b) in zip(one, two, strict=True))
-    mine, theirs = adapter(two_ranks.staging), adapter(one_rank.staging)
+    mine, theirs = adapter(other.staging), adapter(one_rank.staging)
     assert mine.keys() == theirs.keys()
     adapter_diff = {n: float((mine[n] - theirs[n]).abs().max() / theirs[n].abs().max().clamp_min(1e-12))
                     for n in mine}
-    evals = [json.loads((r.staging / "eval.json").read_text()) for r in (one_rank, two_ranks)]
+    evals = [json.loads((r.staging / "eval.json").read_text()) for r in (one_rank, other)]
     eval_diff = abs(evals[0]["after"]["loss"] - evals[1]["after"]["loss"]) / evals[0]["after"]["loss"]
-    print(f"\n1 rank {one_rank.seconds:.1f} s, 2 ranks {two_ranks.seconds:.1f} s; {STEPS} steps: worst relative "
+    print(f"\n1 rank {one_rank.seconds:.1f} s, {label} {other.seconds:.1f} s; {STEPS} steps: worst relative "
           f"difference of the step losses {loss_diff:.2e}, of the adapter tensors {max(adapter_diff.values()):.2e} "
           f"({len(mine)} tensors), of the final eval loss {eval_diff:.2e}")
     assert loss_diff <= LOSS_RTOL and eval_diff <= LOSS_RTOL
     assert max(adapter_diff.values()) <= ADAPTER_TOL, adapter_diff
     assert evals[0]["after"]["tokens"] == evals[1]["after"]["tokens"]  # every validation row counted once
     # rank 1 wrote nothing: the same events (one writer) and the same files as the single process
-    kinds = [[e["type"] for e in events(r.job_dir)] for r in (one_rank, two_ranks)]
+    kinds = [[e["type"] for e in events(r.job_dir)] for r in (one_rank, other)]
     assert kinds[0] == kinds[1] and kinds[0][-1] == "done"
-    assert _files(one_rank.job_dir) == _files(two_ranks.job_dir)
+    assert _files(one_rank.job_dir) == _files(other.job_dir)
+
+
+def test_two_ranks_train_as_one_process_and_only_rank_0_writes(one_rank: Run, two_ranks: Run) -> None:
+    _same_as_one_process(one_rank, two_ranks, "2 ranks")
 
 
 def test_two_ranks_sharded_with_fsdp_train_as_one_process(one_rank: Run, two_ranks_fsdp: Run) -> None:
@@ -158,24 +163,7 @@ def test_two_ranks_sharded_with_fsdp_train_as_one_process(one_rank: Run, two_ran
     import torch
     from safetensors.torch import load_file
 
-    one, two = losses(one_rank.staging), losses(two_ranks_fsdp.staging)
-    assert [s for s, _ in one] == [s for s, _ in two] == list(range(1, STEPS + 1))
-    loss_diff = max(abs(a - b) / abs(a) for (_, a), (_, b) in zip(one, two, strict=True))
-    mine, theirs = adapter(two_ranks_fsdp.staging), adapter(one_rank.staging)
-    assert mine.keys() == theirs.keys()
-    adapter_diff = {n: float((mine[n] - theirs[n]).abs().max() / theirs[n].abs().max().clamp_min(1e-12))
-                    for n in mine}
-    evals = [json.loads((r.staging / "eval.json").read_text()) for r in (one_rank, two_ranks_fsdp)]
-    eval_diff = abs(evals[0]["after"]["loss"] - evals[1]["after"]["loss"]) / evals[0]["after"]["loss"]
-    print(f"\n1 rank {one_rank.seconds:.1f} s, 2 FSDP ranks {two_ranks_fsdp.seconds:.1f} s; {STEPS} steps: worst "
-          f"relative difference of the step losses {loss_diff:.2e}, of the adapter tensors "
-          f"{max(adapter_diff.values()):.2e}, of the final eval loss {eval_diff:.2e}")
-    assert loss_diff <= LOSS_RTOL and eval_diff <= LOSS_RTOL
-    assert max(adapter_diff.values()) <= ADAPTER_TOL, adapter_diff
-    assert evals[0]["after"]["tokens"] == evals[1]["after"]["tokens"]
-    kinds = [[e["type"] for e in events(r.job_dir)] for r in (one_rank, two_ranks_fsdp)]
-    assert kinds[0] == kinds[1] and kinds[0][-1] == "done"
-    assert _files(one_rank.job_dir) == _files(two_ranks_fsdp.job_dir)
+    _same_as_one_process(one_rank, two_ranks_fsdp, "2 FSDP ranks")
     # the checkpoints hold whole tensors in the unsharded layout: gathered, not one rank's shard
     newest = max((two_ranks_fsdp.job_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name[5:]))
     ref = one_rank.job_dir / "checkpoints" / newest.name
