@@ -42,3 +42,7 @@ class LaunchError(TrainerError):
 
 class PeerError(TrainerError):
     """A collective with the other ranks failed: one of them died, or did not answer within the timeout."""
+
+
+class ExportError(TrainerError):
+    """An adapter cannot be exported for serving (missing files, an existing output, a template that changed)."""
