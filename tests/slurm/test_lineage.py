@@ -71,10 +71,9 @@ def test_the_record_matches_the_files_on_disk_and_the_training(gw: LiveGateway, 
     assert lin["spec_verified"] is True and lin["trainer"]["spec_hash"] == lin["spec_hash"]
     assert lin["trainer"]["versions"]["torch"] and lin["trainer"]["versions"]["peft"]
     # every result file's sha256 is that of the bytes in the tenant's artifacts
-    artifacts = {p.name: _sha(p) for p in (STORAGE / "tenants" / A / "artifacts").glob("*/*")
-                 if p.parent.name != ".trash"}
+    on_record = {(p.name, _sha(p)) for p in (STORAGE / "tenants" / A / "artifacts").glob("art-*/*")}
     for name, digest in lin["results"].items():
-        assert digest.removeprefix("sha256:") in {v for k, v in artifacts.items() if k == name}, name
+        assert (name, digest.removeprefix("sha256:")) in on_record, name
     eval_file = next(f for f in parent["result_files"]
                      if gw.api("GET", f"/v1/files/{f}", A).json()["filename"].endswith("eval.json"))
     ev = json.loads(gw.api("GET", f"/v1/files/{eval_file}/content", A).content)
