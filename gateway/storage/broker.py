@@ -37,6 +37,22 @@ from typing import Any
 from gateway.storage import layout, safefs
 from gateway.storage.verbs import VERBS, Ctx, Reply, VerbError
 
+
+def code_id() -> str:
+    """A digest of the code this broker runs (its package's storage modules): a gateway started
+    after an upgrade compares it with its own and replaces a broker still running the old code
+    (``launch.ensure_broker``), so a fix to a verb never waits for a reboot."""
+    import hashlib
+
+    here = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for name in ("broker.py", "verbs.py", "safefs.py", "layout.py", "__init__.py"):
+        digest.update(name.encode() + b"\0" + (here / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+CODE_ID = code_id()
+
 MAX_HEADER = 4 << 20
 MAX_FDS = 4
 REQUEST_TIMEOUT_S = 120.0
@@ -224,6 +240,9 @@ def serve_one(conn: socket.socket) -> None:
     try:
         conn.settimeout(REQUEST_TIMEOUT_S)
         req, fds, _ = recv_msg(conn)
+        if req.get("hello"):      # which code is this? (no tenant, nothing run)
+            send_msg(conn, {"ok": True, "result": {"code_id": CODE_ID, "pid": os.getppid()}})
+            return
         tenant, verb = str(req.get("tenant", "")), str(req.get("verb", ""))
         storage_root = storage_root_arg(req.get("storage_root"))
         pw = tenant_identity(tenant)

@@ -1,0 +1,54 @@
+"""An upgrade replaces a storage broker still running the old code (root only): a fix to a verb
+takes effect when the gateway restarts, not at the next reboot."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gateway.storage.broker import CODE_ID
+from gateway.storage.launch import answers, ensure_broker, running_code
+
+pytestmark = pytest.mark.service
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_broker_running_other_code_is_replaced_and_a_current_one_kept(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the broker runs as root")
+    old = tmp_path / "old-release"
+    shutil.copytree(ROOT / "gateway", old / "gateway", ignore=shutil.ignore_patterns("__pycache__"))
+    verbs = old / "gateway" / "storage" / "verbs.py"
+    verbs.write_text(verbs.read_text() + "\n# the release before this one\n")
+    sock = tmp_path / "broker.sock"
+    stale = subprocess.Popen([sys.executable, "-c", "from gateway.storage.broker import main; main()",
+                              "--socket", str(sock)], env={"PATH": os.environ["PATH"], "PYTHONPATH": str(old)},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/")
+    current: int | None = None
+    try:
+        deadline = time.monotonic() + 20
+        while not answers(sock):
+            assert time.monotonic() < deadline and stale.poll() is None, "the old broker did not start"
+            time.sleep(0.05)
+        old_code, old_pid = running_code(sock)
+        assert old_code is not None and old_code != CODE_ID and old_pid == stale.pid
+        monkeypatch.setenv("PYTHONPATH", str(ROOT))      # the new broker runs this checkout's code
+        ensure_broker(sock, None)
+        assert stale.wait(timeout=15) == 0               # SIGTERM: it exits cleanly
+        code, current = running_code(sock)
+        assert code == CODE_ID and current not in (None, stale.pid)
+        ensure_broker(sock, None)                        # current code: left running
+        assert running_code(sock) == (CODE_ID, current)
+    finally:
+        if stale.poll() is None:
+            stale.kill()
+        if current:
+            os.kill(current, signal.SIGTERM)
