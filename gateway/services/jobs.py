@@ -348,8 +348,13 @@ def _parent(session: Session, principal: Principal, model_id: str, hp: dict[str,
     inherited = Hyperparameters.model_validate(
         {k: v for k, v in (parent.hyperparameters or {}).items() if k in LORA_SHAPE}).model_dump(mode="json")
     for key in LORA_SHAPE:
-        if key in hp and Hyperparameters.model_validate({key: hp[key]}).model_dump(mode="json")[key] \
-                != inherited[key]:
+        try:
+            asked = Hyperparameters.model_validate({key: hp[key]}).model_dump(mode="json")[key] if key in hp \
+                else inherited[key]
+        except ValueError:   # pydantic's ValidationError: not a value of that field at all
+            raise ServiceError(f"hyperparameters.{key}: {hp[key]!r} is not a valid value",
+                               param=f"hyperparameters.{key}") from None
+        if asked != inherited[key]:
             raise ServiceError(f"hyperparameters.{key} must be the parent's ({inherited[key]!r}) to continue "
                                f"training {model_id}: the adapter keeps its shape", param=f"hyperparameters.{key}")
         hp[key] = inherited[key]

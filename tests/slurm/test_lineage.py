@@ -101,6 +101,9 @@ def test_a_continued_job_starts_at_its_parents_eval_loss(gw: LiveGateway, files:
         "model": parent["fine_tuned_model"], "training_file": files["train"], "validation_file": files["val"],
         "hyperparameters": {**FAST_HP, "lora_r": 16}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "hyperparameters.lora_r", r.text
+    r = gw.api("POST", "/v1/fine_tuning/jobs", A, json={
+        "model": parent["fine_tuned_model"], "training_file": files["train"], "hyperparameters": {"lora_r": "x"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "hyperparameters.lora_r", r.text
     child = gw.create(A, files["train"], FAST_HP, model=parent["fine_tuned_model"],
                       validation_file=files["val"], suffix="child")
     assert child["model"] == parent["fine_tuned_model"]      # OpenAI's way: the model it started from
