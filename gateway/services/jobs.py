@@ -572,12 +572,22 @@ def resume_job(*, session: Session, settings: Settings, principal: Principal, jo
                control: PauseControl | None) -> FineTuningJob:
     """Resume a paused job: ``queued`` again, the hold released; it continues from its newest
     checkpoint when Slurm starts it. Conflict (409) unless it is paused."""
+    from gateway.errors import SlurmError
+
     if control is None or settings.local:
         raise Conflict("pausing needs Slurm: this gateway runs jobs in local mode", code="not_supported")
-    job = _change(session, principal, job_id, Event.RESUME, {JobState.PAUSED},
-                  "Resumed: queued again; it continues from its last checkpoint")
-    control.release(job.slurm_job_id)
-    return job
+    job = get_job(session=session, principal=principal, job_id=job_id)
+    if job.status != JobState.PAUSED.value:
+        raise Conflict(f"job {job_id} is {job.status}: only a paused job can resume", code="invalid_state")
+    # Slurm first: if the release fails the job stays paused (and held); if the state change
+    # then loses a race, the reconciler holds it again when it starts (a paused job never runs)
+    try:
+        control.release(job.slurm_job_id)
+    except SlurmError as e:
+        raise Conflict(f"Slurm did not release job {job_id} ({e}); it stays paused: try again",
+                       code="busy") from None
+    return _change(session, principal, job_id, Event.RESUME, {JobState.PAUSED},
+                   "Resumed: queued again; it continues from its last checkpoint")
 
 
 def delete_model(*, session: Session, settings: Settings, principal: Principal, job: FineTuningJob) -> None:
