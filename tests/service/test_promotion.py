@@ -100,3 +100,22 @@ def test_the_cli_promotes_and_lists(gw: Gateway, monkeypatch: pytest.MonkeyPatch
     assert code == 0 and "prod" in out and model in out, out
     code, out = run(token, "models", "promote", _model(gw, TENANT_A, 10, 3.0), "--alias", "prod")
     assert code != 0 and "promotion refused" in out, out
+
+
+def test_the_portal_shows_a_models_lineage_and_aliases_to_its_tenant_only(gw: Gateway) -> None:
+    from fastapi.testclient import TestClient
+
+    from tests.service.test_portal_session import sign_in
+
+    model = _model(gw, TENANT_A, 11, 2.0)
+    assert _promote(gw, _admin(gw, TENANT_A), model, alias="prod").status_code == 200
+    mine = TestClient(gw.app)
+    sign_in(mine, gw.tokens[TENANT_A])
+    page = mine.get(f"/portal/models/{model}")
+    assert page.status_code == 200 and model in page.text and 'id="lineage"' in page.text
+    assert "held out of the training file" not in page.text and "sha256:" + VAL in page.text
+    assert "prod" in mine.get("/portal/models").text
+    theirs = TestClient(gw.app)
+    sign_in(theirs, gw.tokens[TENANT_B])
+    assert theirs.get(f"/portal/models/{model}").status_code == 404
+    assert model not in theirs.get("/portal/models").text
