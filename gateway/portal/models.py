@@ -43,4 +43,4 @@ def show_model(model_id: str, request: Request, session: SessionDep, user: UserD
             held = [a for a in registry.aliases(session=session, principal=user.principal)
                     if a.fine_tuned_model == model_id]
             return render(request, "model.html", user=user, job=job, lin=_view(job.lineage), aliases=held)
-    raise NotFound(f"no such model: {model_id}", param="model")
+    raise NotFound("no such model among yours", param="model")

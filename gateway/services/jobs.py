@@ -560,6 +560,7 @@ def pause_job(*, session: Session, settings: Settings, principal: Principal, job
     """Pause a queued or running job (idempotent): ``paused`` at once; Slurm holds it, the trainer
     checkpoints after its current step and leaves the GPU. Conflict (409) in any other state or
     without Slurm (local mode)."""
+    get_job(session=session, principal=principal, job_id=job_id)     # a foreign id: 404 in any mode
     if control is None or settings.local:
         raise Conflict("pausing needs Slurm: this gateway runs jobs in local mode", code="not_supported")
     job = _change(session, principal, job_id, Event.PAUSE, {JobState.QUEUED, JobState.RUNNING, JobState.PAUSED},
@@ -574,9 +575,9 @@ def resume_job(*, session: Session, settings: Settings, principal: Principal, jo
     checkpoint when Slurm starts it. Conflict (409) unless it is paused."""
     from gateway.errors import SlurmError
 
+    job = get_job(session=session, principal=principal, job_id=job_id)     # a foreign id: 404 in any mode
     if control is None or settings.local:
         raise Conflict("pausing needs Slurm: this gateway runs jobs in local mode", code="not_supported")
-    job = get_job(session=session, principal=principal, job_id=job_id)
     if job.status != JobState.PAUSED.value:
         raise Conflict(f"job {job_id} is {job.status}: only a paused job can resume", code="invalid_state")
     # Slurm first: if the release fails the job stays paused (and held); if the state change
