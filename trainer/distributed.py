@@ -315,8 +315,14 @@ class World:
         if not layers:
             raise LaunchError("fsdp: this model has no list of decoder layers to shard; train it without fsdp")
         # The layers only: the recipe calls the decoder and the LM head apart (chunked logits) and
-        # they may share a tied weight, so embeddings, final norm and head stay whole on every rank
-        # (frozen; a trainable one there is summed by sum_gradients like unsharded data parallel).
+        # they may share a tied weight, so embeddings, final norm and head stay whole on every rank.
+        # They must be frozen: gradient clipping cannot mix sharded and whole gradients.
+        inside = {id(p) for layer in layers for p in layer.parameters()}
+        outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in inside]
+        if outside:
+            raise LaunchError(f"fsdp shards the decoder layers only, but {len(outside)} trainable parameters lie "
+                              f"outside them ({outside[0]}, ...): leave lm_head and the embeddings out of "
+                              "target_modules, or train without fsdp")
         for layer in layers:
             fully_shard(layer)
         for module in model.modules():

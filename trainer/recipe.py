@@ -476,9 +476,10 @@ class Recipe:
         step = self.progress.step
         if step == self.last_checkpoint_step or step == 0:
             return None
-        # sharded: every rank joins the gathers; rank 0 gets the whole state
-        adapter = self.world.adapter_state(self.model)
-        optimizer = self.world.optimizer_state(self.model, self.optimizer)
+        # sharded: every rank joins the gathers; rank 0 gets the whole state (unsharded: only rank 0 reads it)
+        writes = self.world.is_main or self.world.sharded
+        adapter = self.world.adapter_state(self.model) if writes else {}
+        optimizer = self.world.optimizer_state(self.model, self.optimizer) if writes else {}
         path = self._write_checkpoint(step, adapter, optimizer) if self.world.is_main else None
         self.last_checkpoint_step = step  # on every rank: they return early at the same steps
         if sync:

@@ -230,6 +230,21 @@ def test_a_checkpoint_of_2_fsdp_ranks_resumes_in_one_process_as_if_it_had_run_th
     assert loss_diff <= LOSS_RTOL and adapter_diff <= ADAPTER_TOL
 
 
+def test_fsdp_refuses_trainable_parameters_outside_the_decoder_layers(tiny: Tiny, toy: ToyData,
+                                                                     tmp_path: Path) -> None:
+    """One rank, FSDP over a process group of one: a LoRA on lm_head (not sharded) is refused at start."""
+    job_dir = tmp_path / "job"
+    spec = _spec(tiny, toy, job_dir, 1, dropout=0.0)
+    spec["fsdp"] = True
+    spec["hyperparameters"]["target_modules"] = ["q_proj", "lm_head"]
+    rc = run_trainer(write_spec(spec, tmp_path / "spec.json"), tmp_path / "rank0.log")
+    failed = [e for e in events(job_dir) if e["type"] == "failed"]
+    print(f"\nexit {rc}: {failed[0]['message'] if failed else (tmp_path / 'rank0.log').read_text()[-300:]}")
+    assert rc == exitcodes.INTERNAL and failed and failed[0]["error"] == "LaunchError"
+    assert "fsdp shards the decoder layers only" in failed[0]["message"] and "lm_head" in failed[0]["message"]
+    assert not [e for e in events(job_dir) if e["type"] == "metrics"]
+
+
 def test_fsdp_sigkill_of_rank_1_fails_rank_0_as_peer_lost(tiny: Tiny, toy: ToyData, tmp_path: Path) -> None:
     """A rank dying inside FSDP's gathers (model code, not our collectives) is PEER_LOST too, never a hang."""
     job_dir = tmp_path / "job"
