@@ -42,6 +42,7 @@ import logging
 import os
 import random
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -665,6 +666,8 @@ def _exit_now(code: int) -> None:
     """Leave without interpreter/torch teardown (1.3 s saved); all output is fsynced."""
     for handler in logging.getLogger().handlers:
         handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(code)
 
 
@@ -672,9 +675,10 @@ def run_job(spec: JobSpec, attempt: int, fast_exit: bool = True, world: World | 
     """Run one attempt of a job on this rank of ``world`` (default: one process); return the exit code.
 
     Exit codes: see ``trainer.exitcodes``; every rank of a data-parallel run
-    returns the same one unless a rank fails. On SIGUSR1/SIGTERM it checkpoints
-    and, with ``fast_exit``, leaves through ``os._exit`` right after everything
-    is fsynced.
+    returns the same one unless a rank fails. On SIGUSR1/SIGTERM it checkpoints.
+    With ``fast_exit`` (a real trainer process) it never returns: it leaves
+    through ``os._exit`` once everything is fsynced, with no torch or gloo
+    teardown; without, it leaves the process group and returns.
     """
     stop = StopFlag()
     stop.install()
@@ -684,7 +688,7 @@ def run_job(spec: JobSpec, attempt: int, fast_exit: bool = True, world: World | 
         log.info("attempt %d already complete; nothing to do", attempt)
         recipe.events.emit("done", step=None, already_complete=True)
         return exitcodes.OK
-    code = exitcodes.INTERNAL
+    code, finished = exitcodes.INTERNAL, False
     try:
         recipe.setup()
         recipe.train()
@@ -693,13 +697,11 @@ def run_job(spec: JobSpec, attempt: int, fast_exit: bool = True, world: World | 
         recipe.finalize()
         recipe.events.emit("done", step=recipe.progress.step, path=str(recipe.staging.relative_to(recipe.job_dir)))
         log.info("done: %d steps, outputs in %s", recipe.progress.step, recipe.staging)
-        recipe.world.close()
         code = exitcodes.OK
+        finished = True
     except Stop as s:
         code = _stop(recipe, s)
-        if fast_exit:
-            recipe.cleanup()
-            _exit_now(code)
+        finished = True
     except TrainerError as e:
         code, reason = next(((c, r) for t, c, r in _EXIT_FOR if isinstance(e, t)), (exitcodes.INTERNAL, "internal"))
         log.error("%s: %s", type(e).__name__, e)
@@ -714,6 +716,13 @@ def run_job(spec: JobSpec, attempt: int, fast_exit: bool = True, world: World | 
             log.error("".join(traceback.format_tb(e.__traceback__)))
             recipe.events.emit("failed", reason="internal", error=type(e).__name__)
     recipe.cleanup()
+    if fast_exit:
+        # every output is fsynced and every rank is past the last barrier: leave without tearing down
+        # the process group or the interpreter, whose gloo threads can abort a rank that already
+        # finished ("terminate called without an active exception", exit -6 on 1 run in ~50)
+        _exit_now(code)
+    if finished:
+        recipe.world.close()
     return code
 
 
@@ -747,7 +756,6 @@ def _stop(recipe: Recipe, s: Stop) -> int:
     try:
         # no rank leaves before rank 0 is done: srun --kill-on-bad-exit would kill it mid-checkpoint
         recipe.world.barrier()
-        recipe.world.close()
     except PeerError as e:  # rank 0's checkpoint is written either way
         log.warning("%s", e)
     return s.exit_code
