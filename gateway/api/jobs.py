@@ -12,7 +12,7 @@ from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep, access
 from gateway.api.fastjson import FastJSON
 from gateway.errors import ServiceError
 from gateway.jobs.state import JobState
-from gateway.models import FineTuningJob, JobCheckpoint, JobEvent
+from gateway.models import DataFile, FineTuningJob, JobCheckpoint, JobEvent
 from gateway.services import jobs as svc
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"], dependencies=[access(Policy.TENANT)])
@@ -41,7 +41,7 @@ class Resources(BaseModel):
 
 class CreateJob(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model: Annotated[str, Field(min_length=1, max_length=100)]
+    model: Annotated[str, Field(min_length=1, max_length=255)]
     training_file: Annotated[str, Field(pattern=JOB_ID)]
     validation_file: Annotated[str, Field(pattern=JOB_ID)] | None = None
     hyperparameters: dict[str, Any] | None = None
@@ -52,6 +52,8 @@ class CreateJob(BaseModel):
         Field(default=None, max_length=16)
     integrations: Annotated[list[Any], Field(max_length=16)] | None = None   # accepted, not used
     resources: Resources | None = None                                        # ours; default 1 GPU
+    # Together's: continue from "<job id>[:<step>]" (the newest published checkpoint without a step)
+    from_checkpoint: Annotated[str, Field(pattern=r"^ftjob-[0-9a-f]{24}(:[1-9][0-9]{0,8})?$")] | None = None
 
 
 def _ts(dt: Any) -> int | None:
@@ -94,12 +96,14 @@ def event_object(ev: JobEvent) -> dict[str, Any]:
             "level": ev.level, "message": ev.message, "data": ev.data or {}, "type": ev.type}
 
 
-def checkpoint_object(ck: JobCheckpoint, job: FineTuningJob) -> dict[str, Any]:
-    """OpenAI's ``fine_tuning.job.checkpoint`` object; metrics without a value are left out."""
+def checkpoint_object(ck: JobCheckpoint, job: FineTuningJob, adapter: DataFile | None = None) -> dict[str, Any]:
+    """OpenAI's ``fine_tuning.job.checkpoint`` object (metrics without a value left out), plus ours:
+    ``adapter_file``, the file of its adapter once the job has published it (else null)."""
     return {"object": "fine_tuning.job.checkpoint", "id": ck.id, "created_at": _ts(ck.created_at),
-            "fine_tuned_model_checkpoint": f"{job.fine_tuned_model or 'ft:' + job.model}:ckpt-step-{ck.step}",
+            "fine_tuned_model_checkpoint": svc.checkpoint_model_name(job, ck.step),
             "fine_tuning_job_id": job.id, "step_number": ck.step,
-            "metrics": {k: v for k, v in (ck.metrics or {}).items() if v is not None}}
+            "metrics": {k: v for k, v in (ck.metrics or {}).items() if v is not None},
+            "adapter_file": adapter.id if adapter is not None else None}
 
 
 @router.post("")
@@ -119,7 +123,8 @@ def create_job(body: CreateJob, request: Request, session: SessionDep, settings:
                          idempotency_key=idempotency_key,
                          gpus=body.resources.gpus if body.resources else 1,
                          nodes=body.resources.nodes if body.resources else 1,
-                         fsdp=body.resources.fsdp if body.resources else False)
+                         fsdp=body.resources.fsdp if body.resources else False,
+                         from_checkpoint=body.from_checkpoint)
     job = svc.create_job(session=session, settings=settings, principal=principal, req=req, submit=submitter)
     assert principal.tenant_name is not None
     return job_object(job, principal.tenant_name)
@@ -187,5 +192,7 @@ def list_checkpoints(job_id: str, session: SessionDep, principal: PrincipalDep,
     """A job's checkpoints, highest step first (the first ``limit``; ``has_more`` is always false)."""
     job = svc.get_job(session=session, principal=principal, job_id=job_id)
     rows = svc.list_checkpoints(session=session, principal=principal, job_id=job_id)[:limit]
-    return FastJSON({"object": "list", "data": [checkpoint_object(c, job) for c in rows], "has_more": False,
+    files = svc.checkpoint_files(session, job)
+    return FastJSON({"object": "list", "data": [checkpoint_object(c, job, files.get(c.step)) for c in rows],
+                     "has_more": False,
                      "first_id": rows[0].id if rows else None, "last_id": rows[-1].id if rows else None})

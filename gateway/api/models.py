@@ -51,6 +51,11 @@ def retrieve_model(model_id: str, session: SessionDep, settings: SettingsDep,
                    principal: PrincipalDep) -> dict[str, Any]:
     """One model of ``GET /v1/models`` by id (a base model or one of the tenant's, with its
     ``lineage``); 404 otherwise, a foreign tenant's model included."""
+    if principal.tenant_name and jobs_svc.CHECKPOINT_MODEL.fullmatch(model_id):
+        job, step, adapter = jobs_svc.find_checkpoint_model(session=session, principal=principal, model_id=model_id)
+        return {"id": model_id, "object": "model", "created": int(adapter.created_at.timestamp()),
+                "owned_by": principal.tenant_name, "root": job.model, "parent": job.fine_tuned_model,
+                "job_id": job.id, "step": step, "lineage": jobs_svc.checkpoint_lineage(job, step, adapter)}
     if principal.tenant_name and model_id.startswith("ft:"):
         for j in jobs_svc.fine_tuned_models(session=session, principal=principal):
             if j.fine_tuned_model == model_id:

@@ -45,9 +45,10 @@ def _mount_optional_groups() -> None:
         from trainer.cli import models
     except ImportError:
         return
-    from gateway.usercli.models import list_aliases, promote_model, show_model
+    from gateway.usercli.models import bundle_model, list_aliases, promote_model, show_model
 
-    for name, command in (("show", show_model), ("promote", promote_model), ("aliases", list_aliases)):
+    for name, command in (("show", show_model), ("bundle", bundle_model), ("promote", promote_model),
+                          ("aliases", list_aliases)):
         models.add_command(command, name)    # a tenant's models over HTTP: record, promotion, aliases
     main.add_command(models, "models")
 

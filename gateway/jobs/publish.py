@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from gateway.storage.layout import RESULT_NAMES
+from gateway.storage.layout import MAX_CHECKPOINTS, RESULT_NAMES, LayoutError, checkpoint_result
 
 _SHA = re.compile(r"^[0-9a-f]{64}$")
 
@@ -43,12 +43,19 @@ def eval_gate(evaluation: dict[str, Any], mode: str, tolerance: float) -> str | 
     return None
 
 
-def check_results(results: Any) -> dict[str, tuple[int, str]]:
-    """The broker's ``{name: [bytes, sha256]}`` for exactly the result files, checked."""
-    if not isinstance(results, dict) or set(results) != set(RESULT_NAMES):
+def check_results(results: Any, checkpoints: Any = ()) -> dict[str, tuple[int, str]]:
+    """The broker's ``{name: [bytes, sha256]}`` for exactly the result files and the adapters of
+    ``checkpoints`` (the steps it says it packed), checked."""
+    if not isinstance(checkpoints, list | tuple) or len(checkpoints) > MAX_CHECKPOINTS:
+        raise PublishError("the published checkpoints are invalid")
+    try:
+        names = list(RESULT_NAMES) + [checkpoint_result(n) for n in checkpoints]
+    except LayoutError:
+        raise PublishError("the published checkpoints are invalid") from None
+    if not isinstance(results, dict) or set(results) != set(names):
         raise PublishError("the published results are incomplete")
     out = {}
-    for name in RESULT_NAMES:
+    for name in names:
         v = results[name]
         if not (isinstance(v, list) and len(v) == 2 and isinstance(v[0], int) and v[0] >= 0
                 and isinstance(v[1], str) and _SHA.fullmatch(v[1])):

@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -70,11 +71,13 @@ class JobRequest:
     gpus: int = 1           # in all: one trainer rank each
     nodes: int = 1
     fsdp: bool = False      # shard the model over the ranks
+    from_checkpoint: str | None = None   # "<job id>[:<step>]": continue from that job's checkpoint (Together's way)
 
     def digest(self) -> str:
         """sha256 of the request without its idempotency key: a reused key must come with the same request."""
-        # fsdp at its default is left out: a retry of a request from before it existed keeps its digest
-        fields = {k: v for k, v in self.__dict__.items() if k != "idempotency_key" and not (k == "fsdp" and not v)}
+        # fields at their defaults that came later are left out: a retry of an older request keeps its digest
+        fields = {k: v for k, v in self.__dict__.items()
+                  if k != "idempotency_key" and not (k in ("fsdp", "from_checkpoint") and not v)}
         body = json.dumps(fields,
                           sort_keys=True, default=str)
         return hashlib.sha256(body.encode()).hexdigest()
@@ -282,11 +285,12 @@ def create_job(*, session: Session, settings: Settings, principal: Principal, re
     val = _usable_file(session, principal, req.validation_file, "validation_file") \
         if req.validation_file else None
     hp = build_hyperparameters(req.hyperparameters)
-    parent, init = _parent(session, principal, req.model, hp) if req.model.startswith("ft:") else (None, None)
-    base = parent.model if parent is not None else req.model
+    model = _checkpoint_model(session, principal, req) if req.from_checkpoint else req.model
+    parent, init = _parent(session, principal, model, hp) if model.startswith("ft:") else (None, None)
+    base = parent.model if parent is not None else model
     entry = _catalog_entry(settings, base)
     if parent is not None and parent.model_digest and entry.digest != parent.model_digest:
-        raise ServiceError(f"the base model {base} changed since {req.model} was trained (digest "
+        raise ServiceError(f"the base model {base} changed since {model} was trained (digest "
                            f"{parent.model_digest}, now {entry.digest}): its adapter does not fit the new base",
                            param="model", code="model_changed")
     if req.seed is not None:
@@ -298,7 +302,7 @@ def create_job(*, session: Session, settings: Settings, principal: Principal, re
     _gpus_allowed(submit, tenant_name, minutes, req.gpus)
     job = FineTuningJob(tenant_id=tid, training_file=train.id, validation_file=val.id if val else None,
                         model=base, model_digest=entry.digest, hyperparameters=hp,
-                        parent_model=req.model if parent is not None else None,
+                        parent_model=model if parent is not None else None,
                         init_file=init.id if init is not None else None,
                         suffix=req.suffix, seed=req.seed, meta=req.metadata,
                         idempotency_key=req.idempotency_key, request_hash=req.digest(),
@@ -326,9 +330,79 @@ LORA_SHAPE = ("lora_r", "lora_alpha", "target_modules")
 """Hyperparameters a continued job takes from its parent: the adapter's shape and scale."""
 
 
+CHECKPOINT_MODEL = re.compile(r"^(ft:.+):ckpt-step-([1-9][0-9]{0,8})$")
+"""A checkpoint's model name (OpenAI's ``fine_tuned_model_checkpoint``): the job's model, ``:ckpt-step-<n>``."""
+
+
+def checkpoint_model_name(job: FineTuningJob, step: int) -> str:
+    """The name of ``job``'s checkpoint ``step`` as a model (``<fine-tuned model>:ckpt-step-<n>``)."""
+    return f"{job.fine_tuned_model or 'ft:' + job.model}:ckpt-step-{step}"
+
+
+def checkpoint_files(session: Session, job: FineTuningJob) -> dict[int, DataFile]:
+    """The adapter file of each of ``job``'s published checkpoints, by step (deleted ones left out)."""
+    rows = session.exec(select(DataFile).where(DataFile.job_id == job.id, DataFile.tenant_id == job.tenant_id,
+                                               col(DataFile.deleted_at).is_(None),
+                                               col(DataFile.filename).startswith(f"{job.id}-checkpoint-step-")))
+    return {step: f for f in rows if (step := layout.checkpoint_step_of(f.filename[len(job.id) + 1:])) is not None}
+
+
+def find_checkpoint_model(*, session: Session, principal: Principal, model_id: str
+                          ) -> tuple[FineTuningJob, int, DataFile]:
+    """The tenant's published checkpoint ``model_id`` (``ft:…:ckpt-step-<n>``): its job, step and
+    adapter file; NotFound otherwise (a foreign one included)."""
+    tid = _tenant_id(principal)
+    m = CHECKPOINT_MODEL.fullmatch(model_id)
+    job = session.exec(select(FineTuningJob).where(FineTuningJob.tenant_id == tid,
+                                                   FineTuningJob.fine_tuned_model == m.group(1))).first() if m else None
+    published = checkpoint_files(session, job).get(int(m.group(2))) if m and job is not None else None
+    if job is None or published is None or job.status != JobState.SUCCEEDED:
+        raise NotFound(f"no such model: {model_id}", param="model")
+    return job, int(m.group(2)) if m else 0, published
+
+
+JOB_ONLY_LINEAGE = frozenset({"eval", "results", "checkpoints"})   # what a checkpoint's record does not inherit
+
+
+def checkpoint_lineage(job: FineTuningJob, step: int, adapter: DataFile) -> dict[str, Any]:
+    """The registry record of ``job``'s checkpoint ``step``: the job's record for what it was
+    trained from and how, the checkpoint's own step, adapter sha256 and the eval at that step."""
+    record = {k: v for k, v in (job.lineage or {}).items() if k not in JOB_ONLY_LINEAGE}
+    evals = (job.progress or {}).get("evals") or []
+    at = [e.get("loss") for e in evals if isinstance(e, dict) and e.get("step") == step
+          and isinstance(e.get("loss"), int | float)]
+    return {**record, "parent": job.fine_tuned_model,
+            "checkpoint": {"step": step, "adapter_file": adapter.id, "sha256": f"sha256:{adapter.sha256}",
+                           "eval_loss": at[-1] if at else None}}
+
+
+def _checkpoint_model(session: Session, principal: Principal, req: JobRequest) -> str:
+    """``from_checkpoint`` ("<job id>[:<step>]", the newest published checkpoint without a step) as the
+    checkpoint's model name. ``model`` must name the same lineage: the job's base, its model or that
+    checkpoint. NotFound (404) for a job or step that is not the tenant's published checkpoint."""
+    assert req.from_checkpoint is not None
+    job_id, _, raw_step = req.from_checkpoint.partition(":")
+    try:
+        job = get_job(session=session, principal=principal, job_id=job_id)
+    except NotFound:
+        raise NotFound(f"no such job: {job_id}", param="from_checkpoint") from None
+    files = checkpoint_files(session, job) if job.status == JobState.SUCCEEDED else {}
+    step = int(raw_step) if raw_step.isdigit() else max(files, default=0)
+    if step not in files:
+        raise NotFound(f"job {job_id} has no published checkpoint{f' at step {raw_step}' if raw_step else ''}: "
+                       f"a job's checkpoints become models when it succeeds (those it still kept)",
+                       param="from_checkpoint")
+    name = checkpoint_model_name(job, step)
+    if req.model not in (job.model, job.fine_tuned_model, name):
+        raise ServiceError(f"model {req.model!r} is not the lineage of {req.from_checkpoint}: give {job.model!r} "
+                           f"or {name!r}", param="model")
+    return name
+
+
 def _parent(session: Session, principal: Principal, model_id: str, hp: dict[str, Any]
             ) -> tuple[FineTuningJob, DataFile]:
-    """The tenant's own published model ``model_id`` and its adapter tar, for continued training.
+    """The tenant's own published model ``model_id`` (a job's or one of its checkpoints') and its
+    adapter tar, for continued training.
 
     Fills ``hp`` with the parent's LoRA shape (``LORA_SHAPE``) where the request leaves it out.
     Raises NotFound (404) for a model the tenant does not own (a foreign one included),
@@ -336,12 +410,17 @@ def _parent(session: Session, principal: Principal, model_id: str, hp: dict[str,
     from trainer.spec import Hyperparameters
 
     tid = _tenant_id(principal)
-    parent = session.exec(select(FineTuningJob).where(FineTuningJob.tenant_id == tid,
-                                                      FineTuningJob.fine_tuned_model == model_id)).first()
-    if parent is None or parent.status != JobState.SUCCEEDED:
-        raise NotFound(f"no such model: {model_id}", param="model")
-    adapters = [f for f in (session.get(DataFile, i) for i in parent.result_files or [])
-                if f is not None and f.deleted_at is None and f.filename == f"{parent.id}-adapter.tar"]
+    if CHECKPOINT_MODEL.fullmatch(model_id):
+        parent, _, published = find_checkpoint_model(session=session, principal=principal, model_id=model_id)
+        adapters = [published]
+    else:
+        found = session.exec(select(FineTuningJob).where(FineTuningJob.tenant_id == tid,
+                                                         FineTuningJob.fine_tuned_model == model_id)).first()
+        if found is None or found.status != JobState.SUCCEEDED:
+            raise NotFound(f"no such model: {model_id}", param="model")
+        parent = found
+        adapters = [f for f in (session.get(DataFile, i) for i in parent.result_files or [])
+                    if f is not None and f.deleted_at is None and f.filename == f"{parent.id}-adapter.tar"]
     if not adapters:
         raise ServiceError(f"{model_id}'s adapter file is deleted: it cannot be trained further",
                            param="model", code="invalid_model")

@@ -14,18 +14,33 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sqlmodel import Session
+from sqlmodel import Session, col, select
 
 from gateway.config import Settings
 from gateway.errors import Conflict, ServiceError
 from gateway.jobs import publish
 from gateway.jobs.state import Cleanup, Event, FailReason
-from gateway.models import DataFile, FineTuningJob, new_id, utcnow
+from gateway.models import DataFile, FineTuningJob, JobCheckpoint, new_id, utcnow
 from gateway.services import jobs as jobs_svc
 from gateway.services.jobs import apply_event
 from gateway.storage import Storage, layout
 
 log = logging.getLogger(__name__)
+
+
+def checkpoint_steps(session: Session, job: FineTuningJob) -> list[int]:
+    """The steps of ``job``'s recorded checkpoints (the newest ``MAX_CHECKPOINTS``): publication
+    makes the adapter of each one still on disk a model of its own."""
+    steps = session.exec(select(JobCheckpoint.step).where(JobCheckpoint.job_id == job.id).distinct()
+                         .order_by(col(JobCheckpoint.step).desc()).limit(layout.MAX_CHECKPOINTS))
+    return sorted(n for n in steps if 1 <= n <= layout.MAX_STEP)
+
+
+def _log_skipped(job: FineTuningJob, skipped: Any) -> None:
+    if isinstance(skipped, dict) and skipped:
+        why = "; ".join(f"step {k}: {v}" for k, v in list(skipped.items())[:8]
+                        if isinstance(k, str) and isinstance(v, str))
+        log.info("job %s: checkpoints not published: %s", job.id, why[:500])
 
 
 def fine_tuned_model_name(job: FineTuningJob, tenant: str) -> str:
@@ -38,11 +53,12 @@ def build_lineage(*, session: Session, settings: Settings, job: FineTuningJob, t
     """The registry record of ``job``'s model, at publication.
 
     From the gateway's own records: base model and digest, the datasets' ids and sha256s, the
-    resolved hyperparameters and seed, the spec hash, the Slurm job, account, QOS, attempts and
-    layout, the parent model, the results' sha256s (computed by the broker from the files it
-    built). ``trainer`` holds what the trainer reported in its manifest (library versions,
-    steps, training seconds; it runs as the tenant, so it is the tenant's word), and
-    ``spec_verified`` says whether the spec hash it reported is the gateway's: then the
+    resolved hyperparameters and seed, the spec the trainer was given and its hash, the Slurm
+    job, account, QOS, attempts and layout, the parent model, the results' and checkpoints'
+    sha256s (computed by the broker from the files it built). ``trainer`` holds what the
+    trainer reported in its manifest (library versions, steps, training seconds; it runs as
+    the tenant, so it is the tenant's word), and ``spec_verified`` says whether the spec hash
+    it reported is the gateway's: then the
     hyperparameters here are the ones it trained with.
     """
     from trainer.spec import Hyperparameters, parse_spec, spec_hash
@@ -54,10 +70,12 @@ def build_lineage(*, session: Session, settings: Settings, job: FineTuningJob, t
                                                                            "keep_checkpoints")}
     resolved = Hyperparameters.model_validate(hp).model_dump(mode="json")
     ours: str | None = None
+    spec: dict[str, Any] | None = None
     try:
         entry = jobs_svc.catalog_entry(settings, job.model)
         if train is not None:
-            ours = spec_hash(parse_spec(jobs_svc.job_spec(settings, tenant, job, train, val, entry, init)))
+            spec = jobs_svc.job_spec(settings, tenant, job, train, val, entry, init)
+            ours = spec_hash(parse_spec(spec))
     except ServiceError:
         ours = None   # the base left the catalog: the record says it could not check
     raw_manifest, raw_eval = built.get("manifest"), built.get("evaluation")
@@ -77,13 +95,16 @@ def build_lineage(*, session: Session, settings: Settings, job: FineTuningJob, t
         "validation_file": {"id": val.id, "sha256": val.sha256} if val else None,
         "hyperparameters": resolved, "seed": resolved["seed"],
         "spec_hash": ours, "spec_verified": ours is not None and reported.get("spec_hash") == ours,
+        "spec": spec,     # what the trainer was given (its hash is spec_hash): the reproducibility bundle's core
         "trainer": reported,
         "slurm": {"job_id": job.slurm_job_id, "account": tenant, "qos": job.qos, "attempts": job.attempt + 1,
                   "gpus": job.gpus, "nodes": job.nodes, "fsdp": job.fsdp,
                   "training_gpu_seconds": round(seconds * job.gpus, 1) if isinstance(seconds, float) else None},
         "eval": {"before": loss("before"), "after": loss("after"),
                  "best_step": evaluation.get("best_step") if isinstance(evaluation.get("best_step"), int) else None},
-        "results": {name: f"sha256:{sha}" for name, (_, sha) in results.items()},
+        "results": {name: f"sha256:{sha}" for name, (_, sha) in results.items() if layout.is_main_result(name)},
+        "checkpoints": sorted(({"step": step, "sha256": f"sha256:{sha}"} for name, (_, sha) in results.items()
+                               if (step := layout.checkpoint_step_of(name)) is not None), key=lambda c: c["step"]),
         "published_at": utcnow().isoformat(timespec="seconds"),
     }
 
@@ -98,14 +119,14 @@ def publish_attempt(*, session: Session, settings: Settings, storage: Storage, j
     itself (other than a refusal) raises as it is."""
     store = storage.tenant(tenant_name)
     try:
-        built = store.publish_build(job.id, job.attempt, job.model_digest)
+        built = store.publish_build(job.id, job.attempt, job.model_digest, checkpoint_steps(session, job))
         evaluation = built.get("evaluation")
         refused = publish.eval_gate(evaluation if isinstance(evaluation, dict) else {},
                                     settings.eval_gate, settings.eval_gate_tolerance)
         if refused:
             store.remove([(layout.ARTIFACTS, built["name"])])
             raise publish.PublishError(refused)
-        results = publish.check_results(built.get("results"))
+        results = publish.check_results(built.get("results"), built.get("checkpoints") or [])
     except (publish.PublishError, Conflict) as e:
         msg = e.message if isinstance(e, Conflict) else str(e)
         apply_event(session, job, Event.ERROR, level="error", message=f"Publication refused: {msg}",
@@ -124,6 +145,7 @@ def publish_attempt(*, session: Session, settings: Settings, storage: Storage, j
             session.add(row)
             rows.append(row)
         session.flush()
+        _log_skipped(job, built.get("skipped_checkpoints"))
         try:
             lineage = build_lineage(session=session, settings=settings, job=job, tenant=tenant_name,
                                     built=built, results=results)
@@ -132,7 +154,8 @@ def publish_attempt(*, session: Session, settings: Settings, storage: Storage, j
             lineage = None
         apply_event(session, job, Event.PUBLISHED, message="The job has successfully completed",
                     fine_tuned_model=fine_tuned_model_name(job, tenant_name), lineage=lineage,
-                    result_files=[r.id for r in rows], finished_at=utcnow(), cleanup=Cleanup.PENDING)
+                    result_files=[r.id for r in rows if layout.is_main_result(r.filename[len(job.id) + 1:])],
+                    finished_at=utcnow(), cleanup=Cleanup.PENDING)
         store.publish_commit(built["name"], aid)
         committed = True
         session.commit()

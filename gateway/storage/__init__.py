@@ -250,12 +250,14 @@ class TenantStorage:
         """Remove upload and publication temp names older than ``min_age_s``; returns how many."""
         return int(self._call("sweep", {"min_age_s": min_age_s}).result["removed"])
 
-    def publish_build(self, job_id: str, attempt: int, model_digest: str | None) -> dict[str, Any]:
+    def publish_build(self, job_id: str, attempt: int, model_digest: str | None,
+                      checkpoint_steps: list[int] | None = None) -> dict[str, Any]:
         """Verify the attempt's staging and build its results in a hidden artifacts/.pub-* dir.
         Returns ``name`` (that dir), ``results`` (each one's bytes and sha256), ``evaluation`` (eval.json)
-        and ``manifest`` (the checked subset of the trainer's manifest the lineage keeps: ``verbs.reported``)."""
-        return self._call("publish_build", {"job_id": job_id, "attempt": attempt,
-                                            "model_digest": model_digest}).result
+        and ``manifest`` (the checked subset of the trainer's manifest the lineage keeps: ``verbs.reported``);
+        the adapters of the complete ones of ``checkpoint_steps`` are results too (``checkpoints``)."""
+        return self._call("publish_build", {"job_id": job_id, "attempt": attempt, "model_digest": model_digest,
+                                            "checkpoint_steps": checkpoint_steps or []}).result
 
     def publish_commit(self, name: str, art_id: str) -> None:
         """Rename the built dir ``name`` to artifacts/<art_id>, where its results appear at once."""

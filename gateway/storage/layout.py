@@ -32,6 +32,9 @@ UPLOAD_TMP = re.compile(r"^\.upload-[0-9a-f]{16}\.tmp$")
 PUB_TMP = re.compile(r"^\.pub-ftjob-[0-9a-f]{24}-[0-9a-f]{8}$")
 TENANTS = "tenants"
 RESULT_NAMES = ("adapter.tar", "eval.json", "metrics.csv")
+CHECKPOINT_RESULT = re.compile(r"^checkpoint-step-([1-9][0-9]{0,8})\.tar$")   # a checkpoint's adapter, as a model
+MAX_STEP = 999_999_999
+MAX_CHECKPOINTS = 64              # checkpoint adapters packed per publication
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 
 DATASETS, JOBS, ARTIFACTS = "datasets", "jobs", "artifacts"
@@ -100,6 +103,36 @@ def staging(job_id: str, attempt: int) -> Parts:
     return (*job(job_id), "attempts", str(attempt), "staging")
 
 
+def checkpoint(job_id: str, step: int) -> Parts:
+    """A trainer checkpoint: ``jobs/<job id>/checkpoints/step-<n>`` (LayoutError unless 1 <= n <= MAX_STEP)."""
+    if not isinstance(step, int) or isinstance(step, bool) or not 1 <= step <= MAX_STEP:
+        raise LayoutError(f"invalid checkpoint step: {step!r}")
+    return (*job(job_id), "checkpoints", f"step-{step}")
+
+
+def checkpoint_result(step: int) -> str:
+    """The result name of the adapter of checkpoint ``step`` (``checkpoint-step-<n>.tar``)."""
+    if not isinstance(step, int) or isinstance(step, bool) or not 1 <= step <= MAX_STEP:
+        raise LayoutError(f"invalid checkpoint step: {step!r}")
+    return f"checkpoint-step-{step}.tar"
+
+
+def checkpoint_step_of(name: object) -> int | None:
+    """The step of a checkpoint adapter's result name (``checkpoint-step-<n>.tar``), else None."""
+    m = CHECKPOINT_RESULT.fullmatch(name) if isinstance(name, str) else None
+    return int(m.group(1)) if m else None
+
+
+def is_main_result(name: object) -> bool:
+    """Whether ``name`` is one of a job's own results (RESULT_NAMES), not a checkpoint's adapter."""
+    return name in RESULT_NAMES
+
+
+def is_result_name(name: object) -> bool:
+    """Whether ``name`` is a result file's name: one of RESULT_NAMES or a checkpoint's adapter."""
+    return isinstance(name, str) and (name in RESULT_NAMES or CHECKPOINT_RESULT.fullmatch(name) is not None)
+
+
 def training_state(job_id: str) -> list[Parts]:
     """What a job's training left behind besides its published results: checkpoints, attempts."""
     return [(*job(job_id), "checkpoints"), (*job(job_id), "attempts")]
@@ -114,13 +147,13 @@ def result_file(rel: str) -> Parts:
     """A result file row's ``path`` (``artifacts/<art id>/<name>``), checked."""
     parts = tuple(rel.split("/")) if isinstance(rel, str) else ()
     if len(parts) != 3 or parts[0] != ARTIFACTS or not ART_ID.fullmatch(parts[1]) \
-            or parts[2] not in RESULT_NAMES:
+            or not is_result_name(parts[2]):
         raise LayoutError(f"invalid result path: {rel!r}")
     return parts
 
 
 def result_path(art_id: str, name: str) -> str:
     """What a result file row stores as its ``path``."""
-    if name not in RESULT_NAMES:
+    if not is_result_name(name):
         raise LayoutError(f"invalid result name: {name!r}")
     return "/".join((*artifact(art_id), name))

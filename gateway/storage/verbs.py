@@ -16,6 +16,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import secrets
 import stat
 import tarfile
@@ -31,6 +32,8 @@ MAX_EVENTS_READ = 4 << 20          # per job per call
 MAX_EVAL_BYTES = 1 << 20
 MAX_METRICS_BYTES = 64 << 20
 MAX_MANIFEST_BYTES = 1 << 20
+MAX_ADAPTER_BYTES = 16 << 30
+MAX_SAFETENSORS_HEADER = 16 << 20
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json")
@@ -337,10 +340,21 @@ def _create(dir_fd: int, name: str) -> int:
 @verb
 def publish_build(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
     """Verify the attempt's staging and build the results in a hidden artifacts/.pub-* dir.
-    Returns its name, each result's (bytes, sha256) and the evaluation (for the eval gate)."""
+    Returns its name, each result's (bytes, sha256) and the evaluation (for the eval gate).
+
+    ``checkpoint_steps`` (the gateway's record of the job's checkpoints) also become results:
+    each complete one still on disk is packed as ``checkpoint-step-<n>.tar``, laid out as the
+    final adapter tar (its tensors renamed as peft names them); ``checkpoints`` lists the steps
+    packed, ``skipped_checkpoints`` the others with why (pruned, incomplete, not a safetensors file)."""
     job_id, attempt = args.get("job_id", ""), args.get("attempt")
     if not isinstance(attempt, int):
         raise VerbError("invalid attempt")
+    raw_steps = args.get("checkpoint_steps") or []
+    if not isinstance(raw_steps, list) or len(raw_steps) > layout.MAX_CHECKPOINTS:
+        raise VerbError("invalid checkpoint steps")
+    for n in raw_steps:
+        layout.checkpoint(job_id, n)      # LayoutError for a step that is not one
+    steps = sorted(set(raw_steps))
     try:
         sfd = safefs.open_dir(ctx.root_fd, layout.staging(job_id, attempt))
     except (FileNotFoundError, safefs.UnsafeStorage, NotADirectoryError):
@@ -348,7 +362,7 @@ def publish_build(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
     try:
         manifest, opened = verify_staging(sfd, attempt=attempt, model_digest=args.get("model_digest"))
         try:
-            return _build(ctx, job_id, sfd, opened, reported(manifest))
+            return _build(ctx, job_id, sfd, opened, reported(manifest), steps)
         finally:
             for fd in opened.values():
                 os.close(fd)
@@ -385,7 +399,8 @@ def reported(manifest: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _build(ctx: Ctx, job_id: str, sfd: int, opened: dict[str, int], manifest: dict[str, Any]) -> Reply:
+def _build(ctx: Ctx, job_id: str, sfd: int, opened: dict[str, int], manifest: dict[str, Any],
+           steps: list[int]) -> Reply:
     try:
         evaluation = json.loads(safefs.read_fd(opened["eval.json"], MAX_EVAL_BYTES))
         os.lseek(opened["eval.json"], 0, os.SEEK_SET)
@@ -408,17 +423,7 @@ def _build(ctx: Ctx, job_id: str, sfd: int, opened: dict[str, int], manifest: di
         os.close(art)
         raise
     try:
-        tar_fd = _create(out, "adapter.tar")
-        with os.fdopen(tar_fd, "wb") as f, tarfile.open(fileobj=f, mode="w") as tar:
-            for fname in ADAPTER_FILES + TOKENIZER_FILES:
-                fd = opened.get(fname)
-                if fd is None:
-                    continue
-                info = tarfile.TarInfo(f"{job_id}/{fname}")
-                info.size, info.mode, info.mtime = os.fstat(fd).st_size, 0o600, int(time.time())
-                os.lseek(fd, 0, os.SEEK_SET)
-                with os.fdopen(os.dup(fd), "rb") as src:
-                    tar.addfile(info, src)
+        _write_adapter_tar(out, "adapter.tar", job_id, opened)
         for fname, data in (("eval.json", safefs.read_fd(opened["eval.json"], MAX_EVAL_BYTES)),
                             ("metrics.csv", metrics_csv(metrics))):
             fd = _create(out, fname)
@@ -426,8 +431,9 @@ def _build(ctx: Ctx, job_id: str, sfd: int, opened: dict[str, int], manifest: di
                 safefs.write_all(fd, data)
             finally:
                 os.close(fd)
+        checkpoints, skipped = _pack_checkpoints(ctx, job_id, out, opened, steps)
         results = {}
-        for fname in layout.RESULT_NAMES:
+        for fname in layout.RESULT_NAMES + tuple(layout.checkpoint_result(n) for n in checkpoints):
             fd = os.open(fname, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=out)
             try:
                 os.fsync(fd)
@@ -436,13 +442,137 @@ def _build(ctx: Ctx, job_id: str, sfd: int, opened: dict[str, int], manifest: di
                 os.close(fd)
         os.fsync(out)
         os.fsync(art)
-        return Reply({"name": name, "results": results, "evaluation": evaluation, "manifest": manifest})
+        return Reply({"name": name, "results": results, "evaluation": evaluation, "manifest": manifest,
+                      "checkpoints": checkpoints, "skipped_checkpoints": skipped})
     except BaseException:
         safefs.remove(art, name)
         raise
     finally:
         os.close(out)
         os.close(art)
+
+
+def peft_header(fd: int) -> tuple[bytes, int, int]:
+    """The header of the checkpoint adapter ``fd`` (a safetensors file of trainable parameters by
+    module name) rewritten with peft's names (``….lora_A.default.weight`` → ``….lora_A.weight``, as
+    ``save_pretrained`` writes), and where its tensor data starts and how long it is. Every entry
+    is checked (dtype, shape, offsets within the file); ValueError says what is wrong."""
+    size = os.fstat(fd).st_size
+    os.lseek(fd, 0, os.SEEK_SET)
+    head = safefs.read_fd(fd, 8)
+    if len(head) != 8:
+        raise ValueError("shorter than a safetensors header")
+    n = int.from_bytes(head, "little")
+    if not 2 <= n <= min(MAX_SAFETENSORS_HEADER, size - 8):
+        raise ValueError("invalid header length")
+    header = json.loads(safefs.read_fd(fd, n))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not an object")
+    data = size - 8 - n
+    out: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        if not (isinstance(key, str) and 0 < len(key) <= 300 and key.isascii() and key.isprintable()
+                and isinstance(entry, dict) and set(entry) == {"dtype", "shape", "data_offsets"}
+                and isinstance(entry["dtype"], str) and len(entry["dtype"]) <= 8
+                and isinstance(entry["shape"], list) and len(entry["shape"]) <= 8
+                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in entry["shape"])
+                and isinstance(entry["data_offsets"], list) and len(entry["data_offsets"]) == 2
+                and all(isinstance(o, int) and not isinstance(o, bool) for o in entry["data_offsets"])
+                and 0 <= entry["data_offsets"][0] <= entry["data_offsets"][1] <= data):
+            raise ValueError("an invalid tensor entry")
+        name = _PEFT_ADAPTER.sub("", key)
+        if name in out:
+            raise ValueError("two tensors under one name")
+        out[name] = entry
+    if len(out) == 1:
+        raise ValueError("no tensors")
+    raw = json.dumps(out, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw, 8 + n, data
+
+
+_PEFT_ADAPTER = re.compile(r"\.default(?=\.|$)")
+
+
+class _Concat(io.RawIOBase):
+    """``head`` then ``length`` bytes of ``fd`` from ``offset``: a file object for ``tarfile.addfile``."""
+
+    def __init__(self, head: bytes, fd: int, offset: int, length: int):
+        self.head, self.fd, self.offset, self.left = head, fd, offset, length
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        """Fill ``b`` as far as the data goes (tarfile takes a short read for the end of the file)."""
+        view, n = memoryview(b).cast("B"), 0
+        if self.head:
+            n = min(len(view), len(self.head))
+            view[:n], self.head = self.head[:n], self.head[n:]
+        while n < len(view) and self.left > 0:
+            chunk = os.pread(self.fd, min(len(view) - n, self.left, 1 << 20), self.offset)
+            if not chunk:
+                raise ValueError("the checkpoint changed while it was packed")
+            view[n:n + len(chunk)] = chunk
+            n, self.offset, self.left = n + len(chunk), self.offset + len(chunk), self.left - len(chunk)
+        return n
+
+
+def _pack_checkpoints(ctx: Ctx, job_id: str, out: int, opened: dict[str, int],
+                      steps: list[int]) -> tuple[list[int], dict[str, str]]:
+    """Pack each complete checkpoint of ``steps`` into ``out`` as ``checkpoint-step-<n>.tar``
+    (its adapter under peft's names, the final adapter's config and tokenizer files)."""
+    packed, skipped = [], {}
+    for step in steps:
+        try:
+            cfd = safefs.open_dir(ctx.root_fd, layout.checkpoint(job_id, step))
+        except (FileNotFoundError, safefs.UnsafeStorage, NotADirectoryError):
+            skipped[str(step)] = "not on disk (pruned)"
+            continue
+        try:
+            os.close(safefs.open_file(cfd, "COMPLETE", "COMPLETE", max_size=4096))
+            afd = safefs.open_file(cfd, "adapter.safetensors", "adapter.safetensors", max_size=MAX_ADAPTER_BYTES)
+        except (FileNotFoundError, safefs.UnsafeStorage):
+            skipped[str(step)] = "incomplete"
+            continue
+        finally:
+            os.close(cfd)
+        name = layout.checkpoint_result(step)
+        try:
+            head, offset, length = peft_header(afd)
+            _write_adapter_tar(out, name, f"{job_id}-step-{step}", opened,
+                               ("adapter_model.safetensors", _Concat(head, afd, offset, length), len(head) + length))
+            packed.append(step)
+        except ValueError as e:
+            safefs.remove(out, name)
+            skipped[str(step)] = f"not a safetensors adapter: {e}"
+        finally:
+            os.close(afd)
+    return packed, skipped
+
+
+def _write_adapter_tar(out: int, name: str, top: str, opened: dict[str, int],
+                       adapter: tuple[str, Any, int] | None = None) -> None:
+    """``out/name``: a tar of ``top/<file>`` for the adapter and tokenizer files of ``opened``
+    (``adapter``: (name, file object, size) in place of the staging's adapter weights)."""
+    tar_fd = _create(out, name)
+    with os.fdopen(tar_fd, "wb") as f, tarfile.open(fileobj=f, mode="w") as tar:
+        for fname in ADAPTER_FILES + TOKENIZER_FILES:
+            info = tarfile.TarInfo(f"{top}/{fname}")
+            info.mode, info.mtime = 0o600, int(time.time())
+            if adapter is not None and fname == adapter[0]:
+                info.size = adapter[2]
+                tar.addfile(info, adapter[1])
+                continue
+            fd = opened.get(fname)
+            if fd is None:
+                continue
+            info.size = os.fstat(fd).st_size
+            os.lseek(fd, 0, os.SEEK_SET)
+            with os.fdopen(os.dup(fd), "rb") as src:
+                tar.addfile(info, src)
 
 
 @verb

@@ -144,11 +144,13 @@ def download(job_id: str, out_dir: Path | None, extract: bool, as_json: bool) ->
                    "merges into the base found there; vllm only names its path in the serving command.")
 @click.option("--dtype", type=click.Choice(DTYPES), default=None, help="merged: the saved dtype (default bfloat16).")
 @click.option("--force", is_flag=True, help="Replace a non-empty output directory.")
+@click.option("--checkpoint", "step", type=click.IntRange(1), default=None,
+              help="Export the job's checkpoint of this step (`finetune jobs checkpoints JOB_ID`) instead.")
 def export_cmd(job_id: str, fmt: str, out_dir: Path | None, max_lora_rank: int | None,
-               models_root: Path | None, dtype: str | None, force: bool) -> None:
-    """Export a finished job's adapter for serving; print how to serve it."""
+               models_root: Path | None, dtype: str | None, force: bool, step: int | None) -> None:
+    """Export a finished job's adapter (or one of its checkpoints') for serving; print how to serve it."""
     _check_export_options(fmt, max_lora_rank, dtype)
-    out = out_dir or Path(f"{job_id}-{fmt}")
+    out = out_dir or Path(f"{job_id}-{fmt}" if step is None else f"{job_id}-step-{step}-{fmt}")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise click.ClickException(f"{out} exists and is not empty: choose another --output or pass --force")
     root = models_root or get_settings().models_root
@@ -158,10 +160,13 @@ def export_cmd(job_id: str, fmt: str, out_dir: Path | None, max_lora_rank: int |
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=f".{out.name}.download-", dir=out.parent) as work:
-            got = _download_results(job, Path(work))
-            tar = next((Path(g["path"]) for g in got if g["name"] == "adapter.tar"), None)
-            if tar is None:
-                raise click.ClickException(f"job {job_id} has no adapter.tar among its result files")
+            if step is None:
+                got = _download_results(job, Path(work))
+                tar = next((Path(g["path"]) for g in got if g["name"] == "adapter.tar"), None)
+                if tar is None:
+                    raise click.ClickException(f"job {job_id} has no adapter.tar among its result files")
+            else:
+                model_id, tar = _download_checkpoint(job_id, step, Path(work))
             adapter = extract_adapter(tar, Path(work) / "adapter")
             if base_dir is None:
                 _export_vllm(adapter, model_id, base, digest, out, root, max_lora_rank, force)
@@ -169,6 +174,20 @@ def export_cmd(job_id: str, fmt: str, out_dir: Path | None, max_lora_rank: int |
                 _export_merged(adapter, base, base_dir, out, dtype or "bfloat16", force)
     except OSError as e:
         raise click.ClickException(f"cannot write next to {out}: {e.strerror or e}") from e
+
+
+def _download_checkpoint(job_id: str, step: int, work: Path) -> tuple[str, Path]:
+    """(model name, downloaded adapter tar) of ``job_id``'s published checkpoint ``step``."""
+    cks = call("GET", f"/v1/fine_tuning/jobs/{job_id}/checkpoints", params={"limit": 100}).json()["data"]
+    ck = next((c for c in cks if c["step_number"] == step and c.get("adapter_file")), None)
+    if ck is None:
+        have = sorted(c["step_number"] for c in cks if c.get("adapter_file"))
+        raise click.ClickException(f"job {job_id} has no published checkpoint at step {step} "
+                                   f"(published: {', '.join(map(str, have)) or 'none'})")
+    meta = call("GET", f"/v1/files/{ck['adapter_file']}").json()
+    tar = work / f"checkpoint-step-{step}.tar"
+    _stream_to(f"/v1/files/{ck['adapter_file']}/content", tar, meta.get("bytes"))
+    return str(ck["fine_tuned_model_checkpoint"]), tar
 
 
 def _check_export_options(fmt: str, max_lora_rank: int | None, dtype: str | None) -> None:

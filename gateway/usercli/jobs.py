@@ -52,19 +52,23 @@ def jobs() -> None:
 @click.option("--gpus", type=click.IntRange(1, 1024), help="GPUs in all, one trainer rank each (default 1).")
 @click.option("--nodes", type=click.IntRange(1, 1024), help="Nodes to spread the GPUs over (default 1).")
 @click.option("--fsdp", is_flag=True, help="Shard the model over the GPUs (FSDP): for a base too large for one GPU.")
+@click.option("--from-checkpoint", metavar="JOB_ID[:STEP]",
+              help="Continue from that job's checkpoint (its newest without STEP; `finetune jobs checkpoints`).")
 @click.option("--hp", "extra", multiple=True, metavar="KEY=VALUE", help="Any other hyperparameter (repeatable).")
 @click.option("--json", "as_json", is_flag=True)
 def create_job(training_file: str, validation_file: str | None, model: str, epochs: int | None,
                learning_rate_multiplier: float | None, lora_r: int | None, batch_size_tokens: int | None,
                max_seq_len: int | None, suffix: str | None, seed: int | None, idempotency_key: str | None,
-               gpus: int | None, nodes: int | None, fsdp: bool, extra: tuple[str, ...], as_json: bool) -> None:
+               gpus: int | None, nodes: int | None, fsdp: bool, from_checkpoint: str | None,
+               extra: tuple[str, ...], as_json: bool) -> None:
     """Create a fine-tuning job; it is submitted at once (to Slurm; in local mode it starts on this machine)."""
     named = {"n_epochs": epochs, "learning_rate_multiplier": learning_rate_multiplier, "lora_r": lora_r,
              "batch_size_tokens": batch_size_tokens, "max_seq_len": max_seq_len}
     hp = {**{k: v for k, v in named.items() if v is not None}, **_parse_hp(extra)}
     body = {"model": model, "training_file": training_file, "validation_file": validation_file,
             "hyperparameters": hp or None, "suffix": suffix, "seed": seed,
-            "resources": {"gpus": gpus or 1, "nodes": nodes or 1, "fsdp": fsdp} if gpus or nodes or fsdp else None}
+            "resources": {"gpus": gpus or 1, "nodes": nodes or 1, "fsdp": fsdp} if gpus or nodes or fsdp else None,
+            "from_checkpoint": from_checkpoint}
     obj = call("POST", "/v1/fine_tuning/jobs", json={k: v for k, v in body.items() if v is not None},
                headers={"Idempotency-Key": idempotency_key} if idempotency_key else None).json()
     if as_json:
@@ -238,6 +242,25 @@ def _finish(job: dict[str, Any], as_json: bool) -> None:
         click.echo(job["status"], err=True)
     if job["status"] != JobState.SUCCEEDED:
         raise SystemExit(1)
+
+
+@jobs.command("checkpoints")
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help="Print the API's list object.")
+def checkpoints(job_id: str, as_json: bool) -> None:
+    """A job's checkpoints, newest first. Once the job succeeds, each one it kept is a model of its
+    own: download its adapter file, or train further from it (`--model` or `--from-checkpoint`)."""
+    page = call("GET", f"/v1/fine_tuning/jobs/{job_id}/checkpoints", params={"limit": 100}).json()
+    if as_json:
+        _echo_json(page)
+        return
+    if not page["data"]:
+        click.echo("no checkpoints")
+    for c in page["data"]:
+        loss = c["metrics"].get("train_loss")
+        click.echo(f"step {c['step_number']:>6}  train loss {loss if loss is None else f'{loss:.4f}'}  "
+                   f"{c['fine_tuned_model_checkpoint'] if c.get('adapter_file') else '(not published)'}"
+                   f"{'  adapter ' + c['adapter_file'] if c.get('adapter_file') else ''}")
 
 
 @jobs.command("pause")

@@ -1,4 +1,5 @@
-"""``finetune models show``: one model's record over HTTP, a fine-tuned model's lineage included."""
+"""``finetune models show|bundle|promote|aliases``: one model's record over HTTP (a fine-tuned
+model's or checkpoint's lineage included), its reproducibility bundle, and the tenant's aliases."""
 
 from __future__ import annotations
 
@@ -31,7 +32,19 @@ def _lines(record: dict[str, Any]) -> list[str]:
         f"{slurm.get('training_gpu_seconds')} training GPU-seconds",
         f"  eval loss   before {ev.get('before')}, after {ev.get('after')}",
         f"  trainer     {trainer.get('steps')} steps; {versions}",
+        *_checkpoint_lines(record["id"], lin),
     ]
+
+
+def _checkpoint_lines(model_id: str, lin: dict[str, Any]) -> list[str]:
+    ck = lin.get("checkpoint")
+    if ck:       # a checkpoint's own record
+        return [f"  checkpoint  step {ck['step']}, adapter {ck['adapter_file']} {ck['sha256']}, "
+                f"eval loss {ck.get('eval_loss')}"]
+    steps = [c["step"] for c in lin.get("checkpoints") or []]
+    if not steps:
+        return []
+    return [f"  checkpoints steps {', '.join(map(str, steps))}: each a model, {model_id}:ckpt-step-<n>"]
 
 
 @click.command("show")
@@ -45,6 +58,30 @@ def show_model(model_id: str, as_json: bool) -> None:
         return
     for line in _lines(record):
         click.echo(line)
+
+
+@click.command("bundle")
+@click.argument("model_id")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), required=True,
+              help="Where to write it (JSON).")
+def bundle_model(model_id: str, output: str) -> None:
+    """Write MODEL_ID's reproducibility bundle: its record (datasets and their sha256s, the spec the
+    trainer was given and its hash, versions, Slurm job, evals) and the sha256 of every file it made."""
+    import json
+    import os
+
+    record = call("GET", f"/v1/models/{quote(model_id, safe=':')}").json()
+    lin = record.get("lineage") or {}
+    if not lin.get("spec"):
+        raise click.ClickException(f"{model_id} has no recorded spec (a base model, or published before "
+                                   "the registry kept one)")
+    bundle = {"model": record["id"], "record": lin, "spec": lin["spec"], "spec_hash": lin.get("spec_hash"),
+              "results": lin.get("results"), "trainer_files": (lin.get("trainer") or {}).get("files")}
+    tmp = f"{output}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(bundle, f, indent=2, sort_keys=True)
+    os.replace(tmp, output)
+    click.echo(f"{output}: {record['id']} (spec {lin.get('spec_hash')})")
 
 
 @click.command("promote")

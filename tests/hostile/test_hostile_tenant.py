@@ -341,3 +341,74 @@ def test_root_never_follows_a_link_planted_beside_the_database(gw: LiveGateway, 
     assert Snap.of(victim_root_dir) == before
     st = (d / "gw.db").stat()
     assert st.st_uid == uid_of("sft-gateway") and stat.S_IMODE(st.st_mode) == 0o600
+
+
+def _plant(rel: str, data: bytes) -> None:
+    """Write ``rel`` (parents made) in the attacker's root, owned by the attacker, as its job would."""
+    uid = uid_of(f"sft-{ATTACKER}")
+    path = ROOT_A / rel
+    for d in reversed(path.parents[:len(Path(rel).parts) - 1]):
+        if not d.exists():
+            d.mkdir(mode=0o700)
+            os.chown(d, uid, uid)
+    path.write_bytes(data)
+    os.chown(path, uid, uid)
+
+
+def _forged_staging(jid: str) -> None:
+    """A complete, self-consistent staging dir for attempt 0, as a trainer (or the tenant) can write one."""
+    import torch
+    from safetensors.torch import save
+
+    files = {"adapter_model.safetensors": save({"x.lora_A.weight": torch.ones(2, 2)}),
+             "adapter_config.json": b'{"peft_type": "LORA"}',
+             "eval.json": b'{"before": {"loss": 2.0}, "after": {"loss": 1.0}}'}
+    manifest = json.dumps({"attempt": 0, "files": {n: f"sha256:{hashlib.sha256(b).hexdigest()}"
+                                                   for n, b in files.items()}}).encode()
+    for name, data in {**files, "manifest.json": manifest}.items():
+        _plant(f"jobs/{jid}/attempts/0/staging/{name}", data)
+    marker = f"manifest sha256:{hashlib.sha256(manifest).hexdigest()}\n"
+    _plant(f"jobs/{jid}/attempts/0/staging/COMPLETE", marker.encode())
+
+
+def test_planted_checkpoints_publish_only_the_tenants_own_adapter(gw: LiveGateway, victim_root_dir: Path,
+                                                                  victim_file: tuple[str, Path],
+                                                                  reset_attacker: None) -> None:
+    """Checkpoints linked to a root dir or to another tenant's dataset, a hostile safetensors header and
+    an incomplete one are skipped; the one real checkpoint becomes a result, renamed as peft names it."""
+    import tarfile
+
+    import torch
+    from safetensors.torch import load, save
+
+    jid = new_id("ftjob")
+    _forged_staging(jid)
+    ck = f"jobs/{jid}/checkpoints"
+    _plant(f"{ck}/step-6/COMPLETE", b"")
+    _plant(f"{ck}/step-9/COMPLETE", b"")
+    _plant(f"{ck}/step-9/adapter.safetensors", (1 << 40).to_bytes(8, "little") + b"{}")
+    _plant(f"{ck}/step-12/COMPLETE", b"")
+    _plant(f"{ck}/step-12/adapter.safetensors", save({"x.lora_A.default.weight": torch.full((2, 2), 3.0)}))
+    _plant(f"{ck}/step-15/adapter.safetensors", save({"x.lora_A.default.weight": torch.zeros(2, 2)}))
+    as_tenant(ATTACKER, f"ln -s {victim_root_dir} {ck}/step-3; ln -s {victim_file[1]} {ck}/step-6/adapter.safetensors")
+    before, victim = Snap.of(victim_root_dir), victim_file[1].read_bytes()
+    store = _store().tenant(ATTACKER)
+    built = store.publish_build(jid, 0, None, [3, 6, 9, 12, 15])
+    try:
+        assert built["checkpoints"] == [12], built
+        assert set(built["skipped_checkpoints"]) == {"3", "6", "9", "15"}, built["skipped_checkpoints"]
+        assert "safetensors" in built["skipped_checkpoints"]["9"]
+        with tarfile.open(ROOT_A / "artifacts" / built["name"] / "checkpoint-step-12.tar") as tar:
+            names = tar.getnames()
+            member = tar.extractfile(f"{jid}-step-12/adapter_model.safetensors")
+            assert member is not None
+            tensors = load(member.read())
+        assert names == [f"{jid}-step-12/adapter_model.safetensors", f"{jid}-step-12/adapter_config.json"]
+        assert list(tensors) == ["x.lora_A.weight"] and bool((tensors["x.lora_A.weight"] == 3.0).all())
+        sha = hashlib.sha256((ROOT_A / "artifacts" / built["name"] / "checkpoint-step-12.tar").read_bytes()).hexdigest()
+        assert built["results"]["checkpoint-step-12.tar"][1] == sha
+    finally:
+        store.remove([(layout.ARTIFACTS, built["name"])])
+    assert Snap.of(victim_root_dir) == before and victim_file[1].read_bytes() == victim
+    with pytest.raises(Exception, match="invalid checkpoint step"):
+        store.publish_build(jid, 0, None, [0])

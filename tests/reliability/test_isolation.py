@@ -212,8 +212,14 @@ def test_every_tenant_cli_command_with_a_foreign_or_no_token(world: dict[str, An
                 ["jobs", "create", "--training-file", world["file"], "--model", "tiny-chat"],
                 ["jobs", "create", "--training-file", world["file"], "--model", world["model"]],   # continue it
                 ["artifacts", "download", world["job"], "--output", str(tmp_path / "dl")],
+                ["jobs", "create", "--training-file", world["file"], "--model", "tiny-chat",
+                 "--from-checkpoint", world["job"]],                                            # its checkpoint
+                ["jobs", "checkpoints", world["job"]],
                 ["artifacts", "export", world["job"], "--format", "vllm", "--output", str(tmp_path / "ex")],
-                ["models", "show", world["model"]], ["models", "aliases"]]
+                ["artifacts", "export", world["job"], "--format", "vllm", "--checkpoint", "3",
+                 "--output", str(tmp_path / "ex")],
+                ["models", "show", world["model"]], ["models", "bundle", world["model"], "-o", str(tmp_path / "b")],
+                ["models", "aliases"]]
     tenant_groups = {g: sorted(main.commands[g].commands) for g in ("files", "jobs", "artifacts")}  # type: ignore[attr-defined]
     covered = {g: sorted({c[1] for c in commands if c[0] == g} | ({"upload"} if g == "files" else set()))
                for g in tenant_groups}
@@ -239,7 +245,7 @@ def test_every_tenant_cli_command_with_a_foreign_or_no_token(world: dict[str, An
                 assert any(w in out for w in ((want,) if isinstance(want, str) else want)), (label, argv, out)
     get_settings.cache_clear()
     assert not (tmp_path / "dl").exists() or not any((tmp_path / "dl").iterdir())
-    assert not (tmp_path / "ex").exists()
+    assert not (tmp_path / "ex").exists() and not (tmp_path / "b").exists()
 
 
 def _median_ms(served: Served, headers: dict[str, str], paths: list[str], n: int) -> tuple[float, float]:

@@ -29,6 +29,7 @@ def _model(gw: Gateway, tenant: str, n: int, after: float, val: str | None = VAL
         job = FineTuningJob(tenant_id=t.id, training_file=f"file-{tenant}", model="tiny-chat", status="succeeded",
                             fine_tuned_model=f"ft:tiny-chat:{tenant}:m{n}:ftjob-{n:024x}",
                             lineage={"eval": {"before": 5.0, "after": after},
+                                     "checkpoints": [{"step": 3, "sha256": "sha256:" + "c" * 64}],
                                      "validation_file": {"id": "file-v", "sha256": val} if val else None})
         s.add(job)
         s.commit()
@@ -114,6 +115,7 @@ def test_the_portal_shows_a_models_lineage_and_aliases_to_its_tenant_only(gw: Ga
     page = mine.get(f"/portal/models/{model}")
     assert page.status_code == 200 and model in page.text and 'id="lineage"' in page.text
     assert "held out of the training file" not in page.text and "sha256:" + VAL in page.text
+    assert f"{model}:ckpt-step-3" in page.text and "sha256:" + "c" * 64 in page.text
     assert "prod" in mine.get("/portal/models").text
     theirs = TestClient(gw.app)
     sign_in(theirs, gw.tokens[TENANT_B])

@@ -106,3 +106,27 @@ def test_export_vllm_then_merged(cli: Cli, job: dict[str, Any], tmp_path: Path) 
     want = _logits(PeftModel.from_pretrained(load_base_model(base, "cpu"), str(adapter)), ids)
     got = _logits(AutoModelForCausalLM.from_pretrained(merged), ids)
     assert float((got - want).abs().max()) / float(want.abs().max()) < 1e-5
+
+
+def test_export_a_checkpoint_for_serving(cli: Cli, job: dict[str, Any], tmp_path: Path) -> None:
+    """A published checkpoint exports like the final adapter, under its own model name; a step that
+    was never published is a clear error naming those that were."""
+    from safetensors.torch import load_file
+
+    from trainer.export import vllm_problems
+
+    steps = sorted(c["step_number"] for c in json.loads(cli("jobs", "checkpoints", job["id"], "--json").stdout)["data"]
+                   if c["adapter_file"])
+    assert steps, "checkpoint_every_steps=3 keeps two checkpoints"
+    out = tmp_path / "ckpt"
+    res = cli("artifacts", "export", job["id"], "--format", "vllm", "--checkpoint", str(steps[0]), "-o", str(out))
+    assert f"{job['fine_tuned_model']}:ckpt-step-{steps[0]}={out.resolve()}" in res.stdout
+    assert vllm_problems(out, max_lora_rank=16) == []
+    final = tmp_path / "final"
+    cli("artifacts", "export", job["id"], "--format", "vllm", "-o", str(final))
+    mine, theirs = load_file(out / "adapter_model.safetensors"), load_file(final / "adapter_model.safetensors")
+    assert {k: v.shape for k, v in mine.items()} == {k: v.shape for k, v in theirs.items()}
+    assert any(not bool((mine[k] == theirs[k]).all()) for k in mine), "an earlier step's weights, not the final"
+    missing = cli("artifacts", "export", job["id"], "--format", "vllm", "--checkpoint", "1",
+                  "-o", str(tmp_path / "none"), check=False)
+    assert missing.returncode == 1 and f"published: {', '.join(map(str, steps))}" in missing.stderr

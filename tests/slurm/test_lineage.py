@@ -1,12 +1,15 @@
 """The model registry on the real cluster: a published model's lineage against the files on disk,
-continued training from it (the child starts at the parent's eval loss), and tenant scoping."""
+continued training from it and from one of its checkpoints (the child starts at the parent's eval
+loss there), checkpoints as models, and tenant scoping."""
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import subprocess
 import sys
+import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +21,7 @@ from tests.slurm.livegateway import FAST_HP, MODEL, STORAGE, LiveGateway, chat_f
 
 pytestmark = pytest.mark.slurm
 A, B = "t-lin-a", "t-lin-b"
-HP = {**FAST_HP, "lora_r": 4, "lora_alpha": 8}
+HP = {**FAST_HP, "lora_r": 4, "lora_alpha": 8, "eval_every_steps": 3, "keep_checkpoints": 3}
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -48,6 +51,10 @@ def _model(gw: LiveGateway, tenant: str, model_id: str) -> Any:
     return gw.api("GET", f"/v1/models/{quote(model_id, safe=':')}", tenant)
 
 
+def _result(gw: LiveGateway, job: dict[str, Any], name: str) -> str:
+    return next(f for f in job["result_files"] if gw.api("GET", f"/v1/files/{f}", A).json()["filename"].endswith(name))
+
+
 def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -74,9 +81,7 @@ def test_the_record_matches_the_files_on_disk_and_the_training(gw: LiveGateway, 
     on_record = {(p.name, _sha(p)) for p in (STORAGE / "tenants" / A / "artifacts").glob("art-*/*")}
     for name, digest in lin["results"].items():
         assert (name, digest.removeprefix("sha256:")) in on_record, name
-    eval_file = next(f for f in parent["result_files"]
-                     if gw.api("GET", f"/v1/files/{f}", A).json()["filename"].endswith("eval.json"))
-    ev = json.loads(gw.api("GET", f"/v1/files/{eval_file}/content", A).content)
+    ev = json.loads(gw.api("GET", f"/v1/files/{_result(gw, parent, 'eval.json')}/content", A).content)
     assert lin["eval"]["after"] == pytest.approx(ev["after"]["loss"])
     assert lin["eval"]["before"] == pytest.approx(ev["before"]["loss"])
     slurm = lin["slurm"]
@@ -119,7 +124,9 @@ def test_a_continued_job_starts_at_its_parents_eval_loss(gw: LiveGateway, files:
     assert lin["spec_verified"] is True
 
 
-def test_finetune_models_show_prints_the_lineage(gw: LiveGateway, parent: dict[str, Any]) -> None:
+def test_finetune_models_show_prints_the_lineage(gw: LiveGateway, parent: dict[str, Any], tmp_path: Path) -> None:
+    from trainer.spec import parse_spec, spec_hash
+
     env = {**gw.env, "SFT_API_URL": gw.url, "SFT_API_TOKEN": gw.tokens[A]}
     res = subprocess.run([sys.executable, "-m", "gateway", "models", "show", parent["fine_tuned_model"]],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
@@ -128,3 +135,78 @@ def test_finetune_models_show_prints_the_lineage(gw: LiveGateway, parent: dict[s
     bundle = subprocess.run([sys.executable, "-m", "gateway", "models", "show", parent["fine_tuned_model"], "--json"],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert json.loads(bundle.stdout)["lineage"]["spec_hash"].startswith("sha256:")
+    # the reproducibility bundle: the spec it was given, whose hash is the one the trainer reported
+    res = subprocess.run([sys.executable, "-m", "gateway", "models", "bundle", parent["fine_tuned_model"],
+                          "-o", str(tmp_path / "bundle.json")], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    got = json.loads((tmp_path / "bundle.json").read_text())
+    assert spec_hash(parse_spec(got["spec"])) == got["spec_hash"] == got["record"]["trainer"]["spec_hash"]
+    assert got["spec"]["train"]["sha256"] == got["record"]["training_file"]["sha256"]
+    assert set(got["results"]) == {"adapter.tar", "eval.json", "metrics.csv"}
+    res = subprocess.run([sys.executable, "-m", "gateway", "jobs", "checkpoints", parent["id"]],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and f"{parent['fine_tuned_model']}:ckpt-step-" in res.stdout, res.stderr
+
+
+def _adapter(tar_bytes: bytes) -> dict[str, Any]:
+    from safetensors.torch import load
+
+    with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as tar:
+        member = next(m for m in tar.getmembers() if m.name.endswith("/adapter_model.safetensors"))
+        data = tar.extractfile(member)
+        assert data is not None
+        return dict(load(data.read()))
+
+
+def test_published_checkpoints_are_models_that_download_and_continue(
+        gw: LiveGateway, files: dict[str, str], parent: dict[str, Any], tmp_path: Path) -> None:
+    cks = gw.api("GET", f"/v1/fine_tuning/jobs/{parent['id']}/checkpoints?limit=100", A).json()["data"]
+    published = sorted((c for c in cks if c["adapter_file"]), key=lambda c: c["step_number"])
+    print(f"\ncheckpoints {[c['step_number'] for c in cks]}, published {[c['step_number'] for c in published]}")
+    assert 2 <= len(published) <= 3                      # keep_checkpoints: the pruned ones are not models
+    final = _adapter(gw.api("GET", f"/v1/files/{_result(gw, parent, 'adapter.tar')}/content", A).content)
+    lineage = _model(gw, A, parent["fine_tuned_model"]).json()["lineage"]
+    assert [c["step"] for c in lineage["checkpoints"]] == [c["step_number"] for c in published]
+    for c in published:
+        name = c["fine_tuned_model_checkpoint"]
+        assert name == f"{parent['fine_tuned_model']}:ckpt-step-{c['step_number']}"
+        record = _model(gw, A, name)
+        assert record.status_code == 200, record.text
+        ck = record.json()["lineage"]["checkpoint"]
+        body = gw.api("GET", f"/v1/files/{c['adapter_file']}/content", A).content
+        assert ck["sha256"] == f"sha256:{hashlib.sha256(body).hexdigest()}" and ck["adapter_file"] == c["adapter_file"]
+        assert ck["eval_loss"] is not None                # eval_every_steps == checkpoint_every_steps
+        tensors = _adapter(body)
+        # peft's names and shapes: the tar is what the published adapter's is, at that step
+        assert {k: v.shape for k, v in tensors.items()} == {k: v.shape for k, v in final.items()}
+        assert _model(gw, B, name).status_code == 404     # another tenant's: no such model
+    first = published[0]
+    # another tenant cannot continue from it, by either name
+    theirs = gw.upload(B, chat_file(tmp_path / "b.jsonl", 40, seed=34))
+    for body in ({"model": first["fine_tuned_model_checkpoint"]}, {"model": MODEL, "from_checkpoint": parent["id"]}):
+        r = gw.api("POST", "/v1/fine_tuning/jobs", B, json={**body, "training_file": theirs, "hyperparameters": HP})
+        assert r.status_code == 404, r.text
+    # OpenAI's way resolves the checkpoint (its LoRA shape is inherited, so another one is refused)
+    r = gw.api("POST", "/v1/fine_tuning/jobs", A, json={"model": first["fine_tuned_model_checkpoint"],
+                                                        "training_file": files["train"],
+                                                        "hyperparameters": {**FAST_HP, "lora_r": 16}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "hyperparameters.lora_r", r.text
+    r = gw.api("POST", "/v1/fine_tuning/jobs", A, json={"model": "other-model", "training_file": files["train"],
+                                                        "from_checkpoint": f"{parent['id']}:{first['step_number']}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+    r = gw.api("POST", "/v1/fine_tuning/jobs", A, json={"model": MODEL, "training_file": files["train"],
+                                                        "from_checkpoint": f"{parent['id']}:1"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "from_checkpoint", r.text
+    # Together's way: the child starts where the parent was at that step
+    child = gw.create(A, files["train"], FAST_HP, validation_file=files["val"], suffix="from-ckpt",
+                      from_checkpoint=f"{parent['id']}:{first['step_number']}")
+    assert child["model"] == first["fine_tuned_model_checkpoint"]
+    done = gw.wait(A, child["id"], terminal, 300)
+    assert done["status"] == "succeeded", done["error"]
+    lin = _model(gw, A, done["fine_tuned_model"]).json()["lineage"]
+    at = _model(gw, A, first["fine_tuned_model_checkpoint"]).json()["lineage"]["checkpoint"]["eval_loss"]
+    print(f"parent's eval at step {first['step_number']}: {at:.6f}; the child's before it trained "
+          f"{lin['eval']['before']:.6f}; the parent's final {lineage['eval']['after']:.6f}")
+    assert lin["parent"] == first["fine_tuned_model_checkpoint"]
+    assert lin["eval"]["before"] == pytest.approx(at, rel=1e-4)

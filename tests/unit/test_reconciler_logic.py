@@ -249,7 +249,8 @@ class _FakeStore:
     def sweep(self, min_age_s: float) -> int:
         return 0
 
-    def publish_build(self, job_id: str, attempt: int, model_digest: str | None) -> dict[str, Any]:
+    def publish_build(self, job_id: str, attempt: int, model_digest: str | None,
+                      checkpoint_steps: list[int] | None = None) -> dict[str, Any]:
         return {"name": ".pub-1", "evaluation": self.evaluation,
                 "results": {n: [1, "a" * 64] for n in RESULT_NAMES}}
 
