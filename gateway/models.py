@@ -149,6 +149,7 @@ class FineTuningJob(SQLModel, table=True):
     parent_model: str | None = Field(default=None, max_length=255)
     init_file: str | None = Field(default=None, max_length=40)
     lineage: dict[str, Any] | None = Field(default=None, sa_type=sa.JSON)   # the registry record, at publication
+    sweep_id: str | None = Field(default=None, max_length=40, index=True)   # one run of this sweep
     slurm_job_id: int | None = Field(default=None, index=True)
     attempt: int = Field(default=0)
     slurm_state: str | None = Field(default=None, max_length=32)
@@ -260,6 +261,22 @@ class PortalSession(SQLModel, table=True):
     token_id: int = Field(foreign_key="api_tokens.id", index=True)
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     expires_at: datetime = Field(sa_type=UTCDateTime, index=True)
+
+
+class Sweep(SQLModel, table=True):
+    """A hyperparameter grid over one dataset and base: one job per point (``FineTuningJob.sweep_id``),
+    submitted as the tasks of ONE Slurm job array (``slurm_array_id``), compared by validation loss."""
+
+    __tablename__ = "sweeps"
+
+    id: str = Field(default_factory=lambda: new_id("ftsweep"), primary_key=True, max_length=40)
+    tenant_id: int = Field(foreign_key="tenants.id", index=True)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    model: str = Field(max_length=255)
+    grid: dict[str, Any] = Field(sa_type=sa.JSON)             # hyperparameter -> the values tried
+    job_ids: list[str] = Field(sa_type=sa.JSON)               # in task order: task i runs job_ids[i]
+    slurm_array_id: int | None = Field(default=None, index=True)
+    suffix: str | None = Field(default=None, max_length=64)
 
 
 class ModelAlias(SQLModel, table=True):

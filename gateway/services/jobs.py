@@ -274,13 +274,34 @@ def create_job(*, session: Session, settings: Settings, principal: Principal, re
     (the reconciler adopts or resubmits it).
     """
     tid = _tenant_id(principal)
-    tenant_name = principal.tenant_name
-    assert tenant_name is not None          # _tenant_id refused a principal without a tenant
     if req.idempotency_key:
         existing = session.exec(select(FineTuningJob).where(
             FineTuningJob.tenant_id == tid, FineTuningJob.idempotency_key == req.idempotency_key)).first()
         if existing is not None:
             return _same_request(existing, req)
+    try:
+        with session.begin_nested():
+            job, spec = prepare_job(session=session, settings=settings, principal=principal, req=req, submit=submit)
+    except IntegrityError:
+        existing = session.exec(select(FineTuningJob).where(
+            FineTuningJob.tenant_id == tid, FineTuningJob.idempotency_key == req.idempotency_key)).first()
+        if existing is None:
+            raise
+        return _same_request(existing, req)
+    session.commit()
+    assert principal.tenant_name is not None
+    submit_job(session=session, job=job, spec=spec, tenant=principal.tenant_name, submit=submit)
+    return job
+
+
+def prepare_job(*, session: Session, settings: Settings, principal: Principal, req: JobRequest,
+                submit: Submit, sweep_id: str | None = None) -> tuple[FineTuningJob, dict[str, Any]]:
+    """Validate and admit ``req`` and add its row (flushed, not committed: the rows of a sweep
+    flushed before it count against the tenant's limit of unfinished jobs) with its spec: the
+    part of ``create_job`` before sbatch."""
+    tid = _tenant_id(principal)
+    tenant_name = principal.tenant_name
+    assert tenant_name is not None          # _tenant_id refused a principal without a tenant
     train = _usable_file(session, principal, req.training_file, "training_file")
     val = _usable_file(session, principal, req.validation_file, "validation_file") \
         if req.validation_file else None
@@ -303,27 +324,16 @@ def create_job(*, session: Session, settings: Settings, principal: Principal, re
     job = FineTuningJob(tenant_id=tid, training_file=train.id, validation_file=val.id if val else None,
                         model=base, model_digest=entry.digest, hyperparameters=hp,
                         parent_model=model if parent is not None else None,
-                        init_file=init.id if init is not None else None,
+                        init_file=init.id if init is not None else None, sweep_id=sweep_id,
                         suffix=req.suffix, seed=req.seed, meta=req.metadata,
                         idempotency_key=req.idempotency_key, request_hash=req.digest(),
                         estimated_tokens=tokens, time_limit_min=minutes, gpus=req.gpus, nodes=req.nodes,
                         fsdp=req.fsdp)
     spec = job_spec(settings, tenant_name, job, train, val, entry, init)  # validates hp before any row exists
-    try:
-        with session.begin_nested():
-            session.add(job)
-            session.flush()
-    except IntegrityError:
-        existing = session.exec(select(FineTuningJob).where(
-            FineTuningJob.tenant_id == tid, FineTuningJob.idempotency_key == req.idempotency_key)).first()
-        if existing is None:
-            raise
-        return _same_request(existing, req)
+    session.add(job)
+    session.flush()
     add_event(session, job.id, f"Created fine-tuning job: {job.id}")
-    session.commit()
-    assert principal.tenant_name is not None
-    submit_job(session=session, job=job, spec=spec, tenant=principal.tenant_name, submit=submit)
-    return job
+    return job, spec
 
 
 LORA_SHAPE = ("lora_r", "lora_alpha", "target_modules")

@@ -21,9 +21,9 @@ from datetime import UTC, datetime
 from gateway.jobs.state import SLURM_ACTIVE
 from gateway.jobs.state import SlurmState as S
 from gateway.slurm import records as rec
-from gateway.slurm.render import JobScript, render_sbatch
+from gateway.slurm.render import JobScript, render_array, render_sbatch
 from gateway.slurm.runner import DEFAULT_TIMEOUT_S, CommandResult, Runner, SlurmCommandError
-from gateway.slurm.validate import validate_unix_name
+from gateway.slurm.validate import validate_job_name, validate_unix_name
 
 ACTIVE_STATES = SLURM_ACTIVE    # states in which a job may still own processes on a node
 
@@ -94,7 +94,15 @@ class SlurmClient:
         Returns the Slurm job id. Raises SlurmCommandError with sbatch's message
         (e.g. ``Invalid account or account/partition combination specified``).
         """
-        script = render_sbatch(job)
+        return self._sbatch(render_sbatch(job), user=user, group=group, runner=runner)
+
+    def submit_array(self, jobs: Sequence[JobScript], *, name: str, user: str | None = None,
+                     group: str | None = None, runner: Runner | None = None) -> int:
+        """Submit ``jobs`` as the tasks of ONE job array named ``name``, held (``render_array``), as
+        ``submit`` does; returns the array's job id. Name each task (``name_task``), then release it."""
+        return self._sbatch(render_array(jobs, name=name), user=user, group=group, runner=runner)
+
+    def _sbatch(self, script: str, *, user: str | None, group: str | None, runner: Runner | None) -> int:
         argv = ["sbatch", "--parsable", "--export=NONE"]
         if user is not None and runner is None:
             argv += ["--uid", validate_unix_name(user), "--gid", validate_unix_name(group or user)]
@@ -104,19 +112,24 @@ class SlurmClient:
         except (ValueError, IndexError) as e:
             raise SlurmCommandError(argv, 0, f"unexpected sbatch output: {out!r}") from e
 
+    def _address(self, job_id: int, status: JobStatus | None = None) -> str:
+        """How scontrol/scancel name ``job_id`` (``<array id>_<task>`` for a job array's task)."""
+        status = status or self.states([job_id])[job_id]
+        return status.queue.control_id if status.queue is not None else str(int(job_id))
+
     def requeue(self, job_id: int) -> None:
         """``scontrol requeue`` the job; SlurmCommandError when Slurm refuses."""
-        self._run(["scontrol", "requeue", str(int(job_id))]).check()
+        self._run(["scontrol", "requeue", self._address(job_id)]).check()
 
     def pause(self, job_id: int) -> str | None:
         """Hold ``job_id`` (an operator hold: its owner cannot release it) and, if it runs, send its
         batch script SIGUSR1, the "checkpoint and requeue" signal: the trainer checkpoints after the
         step it is in, exits 75, the script requeues the job and the hold keeps it pending. Returns
         the Slurm state it found; None when the job is already gone. Idempotent."""
-        jid = str(int(job_id))
         status = self.states([job_id])[job_id]
         if not status.active:
             return None
+        jid = self._address(job_id, status)
         self._run(["scontrol", "hold", jid]).check()
         if status.state in (S.RUNNING, S.CONFIGURING):
             self._run(["scancel", "--signal=USR1", "--batch", jid])   # ended meanwhile: nothing to signal
@@ -125,7 +138,7 @@ class SlurmClient:
     def release(self, job_id: int) -> None:
         """Release the hold of ``job_id`` (``scontrol release``): it queues again and resumes from its
         newest checkpoint when it starts. SlurmCommandError when Slurm refuses."""
-        self._run(["scontrol", "release", str(int(job_id))]).check()
+        self._run(["scontrol", "release", self._address(job_id)]).check()
 
     def cancel(self, job_id: int, *, deadline_s: float = 30.0, poll_s: float = 0.25,
                kill_wait_s: float = 60.0) -> CancelResult:
@@ -141,9 +154,9 @@ class SlurmClient:
         how long that took. Raises SlurmCommandError if even SIGKILL does not
         end it within ``kill_wait_s``.
         """
-        jid = str(int(job_id))
         start = time.monotonic()
         status = self.states([job_id])[job_id]
+        jid = self._address(job_id, status)
         if status.state in (S.RUNNING, S.SUSPENDED, S.CONFIGURING):
             res = self._run(["scancel", "--signal=USR2", "--batch", jid])
             if res.returncode != 0:  # ended or not yet started meanwhile
@@ -189,6 +202,26 @@ class SlurmClient:
         if res.returncode != 0 and "Invalid job id" in res.stderr:
             return []  # every id already left slurmctld's memory
         return rec.parse_squeue(res.check().stdout)
+
+    def array_tasks(self, array_id: int) -> dict[int, rec.QueueRecord]:
+        """The tasks of job array ``array_id`` still in the queue, by task index (ONE squeue call)."""
+        argv = ["squeue", "--noheader", "--states=all", "--array", f"--jobs={int(array_id)}",
+                "--format=" + rec.format_string(rec.SQUEUE_FIELDS)]
+        res = self._run(argv)
+        if res.returncode != 0 and "Invalid job id" in res.stderr:
+            return {}
+        return {q.array_task: q for q in rec.parse_squeue(res.check().stdout)
+                if q.array_job_id == array_id and q.array_task is not None}
+
+    def name_task(self, array_id: int, task: int, name: str) -> None:
+        """Name task ``task`` of array ``array_id`` (``scontrol update``): the task gets a job record,
+        and so a job id, of its own. SlurmCommandError when Slurm refuses."""
+        self._run(["scontrol", "update", f"jobid={int(array_id)}_{int(task)}",
+                   f"name={validate_job_name(name)}"]).check()
+
+    def release_task(self, array_id: int, task: int) -> None:
+        """Release the hold of one task of a held array. SlurmCommandError when Slurm refuses."""
+        self._run(["scontrol", "release", f"{int(array_id)}_{int(task)}"]).check()
 
     def find_by_name(self, names: Iterable[str]) -> dict[str, int]:
         """Slurm job ids by job name, in ONE squeue call (+ ONE sacct call for the rest).

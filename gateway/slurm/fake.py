@@ -128,7 +128,7 @@ class FakeSlurm:
             "%u": lambda j: j.user, "%a": lambda j: j.account, "%q": lambda j: j.qos,
             "%V": lambda j: _t(j.submit), "%S": lambda j: _t(j.start) if j.start else "N/A",
             "%N": lambda j: "node1" if j.start else "", "%j": lambda j: j.name,
-            "%b": lambda j: f"gres:gpu:{j.gpus}",
+            "%b": lambda j: f"gres:gpu:{j.gpus}", "%F": lambda j: str(j.job_id), "%K": lambda j: "N/A",
         }
         lines = [DELIM.join(codes[c](j) for c in fmt) for j in jobs]
         return 0, "".join(line + "\n" for line in lines), ""

@@ -208,6 +208,16 @@ class QueueRecord:
     nodes: str | None
     name: str
     gpus: int
+    array_job_id: int | None = None    # a job array's task: the array's id and the task's index
+    array_task: int | None = None
+
+    @property
+    def control_id(self) -> str:
+        """How scancel/scontrol address this job: ``<array id>_<task>`` for an array's task (its own
+        job id is refused there once the task has a record of its own), else the job id."""
+        if self.array_job_id is not None and self.array_task is not None:
+            return f"{self.array_job_id}_{self.array_task}"
+        return str(self.job_id)
 
     @property
     def pending_reason(self) -> str | None:
@@ -227,6 +237,8 @@ SQUEUE_FIELDS: tuple[Field, ...] = (
     ("%N", "nodes", opt_str),
     ("%j", "name", str),
     ("%b", "gpus", gres_gpu_count),
+    ("%F", "array_job_id", opt_int),
+    ("%K", "array_task", opt_int),
 )
 
 

@@ -8,9 +8,11 @@ body are quoted with ``shlex.quote``. The directives come in the fixed order of
 
 from __future__ import annotations
 
+import posixpath
 import re
 import shlex
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from string import Template
 
@@ -144,3 +146,49 @@ def render_sbatch(job: JobScript) -> str:
     }
     text = resources.files("slurm_templates").joinpath("finetune.sbatch").read_text()
     return Template(text).substitute(values)
+
+
+MAX_ARRAY_TASKS = 64
+
+
+def render_array(jobs: Sequence[JobScript], *, name: str) -> str:
+    """One batch script that runs ``jobs`` as the tasks of a job array, held (``--hold``).
+
+    Task ``i`` runs ``jobs[i]``'s own script (``render_sbatch``: its directory, environment and
+    command; its signal, cancel and requeue handling). The directives are shared: the jobs must
+    agree on account, QOS, partition and resources, the time limit is the longest of them, and
+    their directories must be siblings. A task's output goes to ``<its dir>/slurm-<id>.out``
+    through ``%x``, the task's job name: the submitter names every task after its job before it
+    releases the hold (see ``SlurmClient.name_task``).
+    """
+    if not 1 <= len(jobs) <= MAX_ARRAY_TASKS:
+        raise RenderError(f"an array has 1 to {MAX_ARRAY_TASKS} tasks, not {len(jobs)}")
+    first = jobs[0]
+    shared = ("account", "qos", "partition", "gpus", "nodes", "cpus", "mem_mb", "grace_s", "requeue")
+    parent = posixpath.dirname(first.job_dir)
+    for job in jobs[1:]:
+        differ = [k for k in shared if getattr(job, k) != getattr(first, k)]
+        if differ:
+            raise RenderError(f"the tasks of an array must agree on {', '.join(differ)}")
+        if posixpath.dirname(job.job_dir) != parent:
+            raise RenderError("the tasks of an array must have sibling job directories")
+    for job in jobs:
+        if posixpath.basename(job.job_dir) != job.job_name:
+            raise RenderError(f"job {job.job_name}: its directory must be named after it (output goes to %x)")
+    bodies = [render_sbatch(job) for job in jobs]          # each one checked
+    header = render_sbatch(replace(first, job_name=name, job_dir=parent,
+                                   time_limit_min=max(j.time_limit_min for j in jobs)))
+    header = header[:header.index("# Rendered by slurm-finetune")]
+    output = f"#SBATCH --output={parent}/slurm-%j.out\n"
+    if output not in header:
+        raise RenderError("unexpected batch script header")
+    header = header.replace(output, f"#SBATCH --output={parent}/%x/slurm-%j.out\n"
+                            f"#SBATCH --array=0-{len(jobs) - 1}\n#SBATCH --hold\n")
+    cases = "".join(f"    {i}) cd {shlex.quote(job.job_dir)} && exec /bin/bash -c {shlex.quote(body)} ;;\n"
+                    for i, (job, body) in enumerate(zip(jobs, bodies, strict=True)))
+    return (f"{header}# Rendered by slurm-finetune (gateway.slurm.render_array); do not edit by hand.\n"
+            "# Each task runs its own job's script (the same one a single job gets).\n"
+            'case "${SLURM_ARRAY_TASK_ID:-}" in\n'
+            f"{cases}"
+            '    *) echo "slurm-finetune: no task ${SLURM_ARRAY_TASK_ID:-?} in this array" >&2; exit 1 ;;\n'
+            "esac\n")

@@ -46,3 +46,13 @@ def validate_qos_name(name: str) -> str:
             "starting with a letter, at most 32 characters"
         )
     return name
+
+
+_JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+def validate_job_name(name: str) -> str:
+    """A job name the gateway gives (a job or sweep id): letters, digits and ._- only; ValueError otherwise."""
+    if not isinstance(name, str) or not _JOB_NAME_RE.fullmatch(name):
+        raise ValueError(f"invalid job name: {name!r}")
+    return name

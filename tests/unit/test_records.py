@@ -23,6 +23,16 @@ def test_squeue_recorded(data_dir: Path) -> None:
     assert by_id[10].state == "FAILED"
 
 
+def test_squeue_array_tasks_are_addressed_by_array_and_task(data_dir: Path) -> None:
+    """Recorded: a held 3-task array whose task 0 was renamed (so it has a job id of its own)."""
+    rows = rec.parse_squeue((data_dir / "squeue_array.txt").read_text())
+    assert [(r.job_id, r.array_job_id, r.array_task, r.name) for r in rows] == [
+        (3030, 3029, 0, "ftjob-task0"), (3029, 3029, 1, "sweep-x"), (3029, 3029, 2, "sweep-x")]
+    assert [r.control_id for r in rows] == ["3029_0", "3029_1", "3029_2"]
+    plain = rec.parse_squeue((data_dir / "squeue.txt").read_text())
+    assert all(r.array_task is None and r.control_id == str(r.job_id) for r in plain)
+
+
 def test_sacct_drops_step_rows_and_keeps_arrays(data_dir: Path) -> None:
     text = (data_dir / "sacct_steps_duplicates.txt").read_text()
     assert ".batch" in text and ".extern" in text
@@ -62,12 +72,12 @@ def test_sinfo_reasons_keep_delimiter_in_reason(data_dir: Path) -> None:
 
 
 def test_field_count_mismatch_raises() -> None:
-    with pytest.raises(rec.SlurmParseError, match="expected 11 fields, got 2"):
+    with pytest.raises(rec.SlurmParseError, match="expected 13 fields, got 2"):
         rec.parse_squeue("1\x1fRUNNING\n")
 
 
 def test_bad_value_names_line_and_field() -> None:
-    line = "\x1f".join(["x", "RUNNING", "None", "u", "a", "q", "N/A", "N/A", "", "n", "gres:gpu:1"])
+    line = "\x1f".join(["x", "RUNNING", "None", "u", "a", "q", "N/A", "N/A", "", "n", "gres:gpu:1", "x", "N/A"])
     with pytest.raises(rec.SlurmParseError, match="line 1, field %A"):
         rec.parse_squeue(line)
 
@@ -95,6 +105,6 @@ def test_delimiter_inside_a_job_name_is_joined_back() -> None:
               "4", "cpu=1,gres/gpu=1", "cpu=1,gres/gpu=1", "n1", "00:05:00"]
     (row,) = rec.parse_sacct("\x1f".join(fields))
     assert row.name == "a\x1fb\x1fc" and row.account == "acct" and row.gpus == 1
-    qfields = ["7", "RUNNING", "None", "u", "a", "q", "N/A", "N/A", "", "x\x1fy", "gres:gpu:1"]
+    qfields = ["7", "RUNNING", "None", "u", "a", "q", "N/A", "N/A", "", "x\x1fy", "gres:gpu:1", "7", "N/A"]
     (q,) = rec.parse_squeue("\x1f".join(qfields))
     assert q.name == "x\x1fy" and q.gpus == 1

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.slurm.render import JobScript, RenderError, format_time_limit, render_sbatch
+from gateway.slurm.render import JobScript, RenderError, format_time_limit, render_array, render_sbatch
 
 GOLDEN = Path(__file__).parent.parent / "data" / "golden" / "finetune.sbatch"
 
@@ -107,3 +107,59 @@ def test_rendered_scripts_are_valid_bash(tmp_path: Path) -> None:
 def test_gang_sizes_out_of_range_refused(gpus: int, nodes: int) -> None:
     with pytest.raises(RenderError):
         render_sbatch(job(gpus=gpus, nodes=nodes))
+
+
+ARRAY_GOLDEN = GOLDEN.with_name("finetune-array.sbatch")
+
+
+def _task(i: int, **kw: object) -> JobScript:
+    jid = f"ftjob-{i:024x}"
+    fields: dict[str, object] = {
+        "job_name": jid, "job_dir": f"/srv/slurm-finetune/tenants/acme/jobs/{jid}",
+        "command": ("/opt/slurm-finetune/venv/bin/python", "-m", "trainer", "run",
+                    f"/srv/slurm-finetune/tenants/acme/jobs/{jid}/spec.json")}
+    return job(**{**fields, **kw})
+
+
+def test_array_golden_file(tmp_path: Path) -> None:
+    import subprocess
+
+    tasks = [_task(0, time_limit_min=30), _task(1, time_limit_min=95)]
+    text = render_array(tasks, name="ftsweep-1")
+    if os.environ.get("UPDATE_GOLDEN"):
+        ARRAY_GOLDEN.write_text(text)
+    assert text == ARRAY_GOLDEN.read_text()
+    assert "#SBATCH --array=0-1\n#SBATCH --hold\n" in text and "#SBATCH --time=0-01:35:00\n" in text  # the longest
+    assert "#SBATCH --output=/srv/slurm-finetune/tenants/acme/jobs/%x/slurm-%j.out\n" in text
+    (tmp_path / "a.sbatch").write_text(text)
+    assert subprocess.run(["bash", "-n", str(tmp_path / "a.sbatch")]).returncode == 0
+
+
+def test_each_array_task_runs_its_own_jobs_script(tmp_path: Path) -> None:
+    """Run the array script as Slurm would run task 1, with bash in place of the trainer's python."""
+    import subprocess
+
+    out = tmp_path / "ran"
+    tasks = [_task(i, job_dir=str(tmp_path / f"ftjob-{i:024x}"), job_name=f"ftjob-{i:024x}",
+                   command=("/bin/sh", "-c", f'echo "$HOME {i}" > {out}')) for i in range(3)]
+    for t in tasks:
+        Path(t.job_dir).mkdir()
+    script = tmp_path / "a.sbatch"
+    script.write_text(render_array(tasks, name="ftsweep-1"))
+    env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_ARRAY_JOB_ID": "5", "SLURM_ARRAY_TASK_ID": "1"}
+    assert subprocess.run(["bash", str(script)], env=env, timeout=30).returncode == 0
+    assert out.read_text() == f"{tasks[1].job_dir} 1\n"
+    env["SLURM_ARRAY_TASK_ID"] = "9"
+    assert subprocess.run(["bash", str(script)], env=env, capture_output=True, timeout=30).returncode == 1
+
+
+@pytest.mark.parametrize("tasks,why", [
+    ([], "1 to 64 tasks"),
+    ([_task(0), _task(1, qos="ft-small")], "agree on qos"),
+    ([_task(0), _task(1, gpus=2)], "agree on gpus"),
+    ([_task(0), _task(1, job_dir="/srv/elsewhere/ftjob-000000000000000000000001")], "sibling"),
+    ([_task(0, job_name="ftjob-other")], "named after it"),
+])
+def test_an_array_of_unlike_jobs_is_refused(tasks: list[JobScript], why: str) -> None:
+    with pytest.raises(RenderError, match=why):
+        render_array(tasks, name="ftsweep-1")
