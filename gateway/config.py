@@ -51,6 +51,7 @@ class Settings(BaseSettings):
     audit_key_file: Path = Path("/var/lib/slurm-finetune/gateway/audit.key")
     # Jobs: admission control, estimates, cancellation, publication.
     max_active_jobs_per_tenant: int = 20
+    max_sweep_runs: int = 16             # grid points per sweep (each a job; at most 64, one array)
     max_tokens_per_job: int = 200_000_000
     max_wall_min: int = 3 * 24 * 60
     throughput_tokens_per_s: float = 1500.0      # conservative; sets --time for backfill

@@ -32,7 +32,7 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
 
     from fastapi.staticfiles import StaticFiles
 
-    from gateway.api import files, jobs, models, registry, staff
+    from gateway.api import files, jobs, models, registry, staff, sweeps
     from gateway.backend import build_backend
     from gateway.portal import STATIC_DIR, STATIC_URL
     from gateway.portal import router as portal_router
@@ -70,6 +70,7 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
     app.include_router(jobs.router)
     app.include_router(models.router)
     app.include_router(registry.router)
+    app.include_router(sweeps.router)
     app.include_router(staff.router)
     app.include_router(portal_router)
     app.mount(STATIC_URL, StaticFiles(directory=STATIC_DIR), name="portal-static")

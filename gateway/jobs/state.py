@@ -14,6 +14,14 @@ from enum import StrEnum
 from types import MappingProxyType
 
 
+class SweepState(StrEnum):
+    """A sweep's status, from its runs': running while any is unfinished, then succeeded (all did) or finished."""
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FINISHED = "finished"
+
+
 class JobState(StrEnum):
     VALIDATING_FILES = "validating_files"
     QUEUED = "queued"

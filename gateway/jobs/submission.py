@@ -76,11 +76,17 @@ class Submitter:
         return pick_qos(self.allowed_qos(tenant), minutes, gpus)
 
     def __call__(self, job: FineTuningJob, spec: dict[str, Any], tenant: str) -> tuple[int, str]:
-        user = unix_user_for(tenant)
         qos = self.qos_for(tenant, job.time_limit_min or 60, job.gpus)
-        store = storage_for(self.settings).tenant(tenant)
-        spec_path = store.write_spec(job.id, spec)       # as the tenant, through the broker
-        script = JobScript(
+        script = self._script(job, spec, tenant, qos)
+        if self.settings.local:      # no tenant users: the local scheduler runs it as this user
+            return self.client.submit(script), qos
+        if self.settings.ssh_host:   # off-cluster: the login node's root account submits with --uid
+            return self.client.submit(script, user=unix_user_for(tenant)), qos
+        return self.client.submit(script, runner=TenantRunner(storage_for(self.settings).tenant(tenant))), qos
+
+    def _script(self, job: FineTuningJob, spec: dict[str, Any], tenant: str, qos: str) -> JobScript:
+        spec_path = storage_for(self.settings).tenant(tenant).write_spec(job.id, spec)  # as the tenant
+        return JobScript(
             job_name=job.id, account=tenant, qos=qos, job_dir=spec["job_dir"],
             command=(str(self.settings.runtime_python), "-m", "trainer", "run", str(spec_path)),
             gpus=job.gpus // job.nodes, nodes=job.nodes, cpus=self.settings.job_cpus,
@@ -88,8 +94,39 @@ class Submitter:
             time_limit_min=job.time_limit_min or 60, grace_s=self.settings.signal_grace_s,
             partition=self.settings.slurm_partition,
             env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
-        if self.settings.local:      # no tenant users: the local scheduler runs it as this user
-            return self.client.submit(script), qos
-        if self.settings.ssh_host:   # off-cluster: the login node's root account submits with --uid
-            return self.client.submit(script, user=user), qos
-        return self.client.submit(script, runner=TenantRunner(store)), qos
+
+    def array(self, jobs: list[FineTuningJob], specs: list[dict[str, Any]], tenant: str,
+              name: str) -> tuple[int, list[int], str]:
+        """Submit ``jobs`` as the tasks of ONE job array named ``name`` under one QOS (the one the
+        longest of them gets): held, each task named after its job (which gives it a job id of its
+        own), then released. Returns (array id, each job's Slurm job id, qos). On any failure after
+        sbatch the whole array is cancelled before the error is raised: no task runs unrecorded.
+        A gateway that dies between sbatch and naming leaves a held array named ``name`` behind
+        (nothing runs); the reconciler resubmits those jobs one by one."""
+        from gateway.slurm.client import SlurmClient
+        from gateway.slurm.runner import SlurmCommandError
+
+        client = self.client
+        if not isinstance(client, SlurmClient):
+            raise ServiceError("job arrays need Slurm: submit the jobs one by one", code="no_backend")
+        qos = self.qos_for(tenant, max(j.time_limit_min or 60 for j in jobs), max(j.gpus for j in jobs))
+        scripts = [self._script(job, spec, tenant, qos) for job, spec in zip(jobs, specs, strict=True)]
+        if self.settings.ssh_host:
+            array_id = client.submit_array(scripts, name=name, user=unix_user_for(tenant))
+        else:
+            array_id = client.submit_array(scripts, name=name,
+                                           runner=TenantRunner(storage_for(self.settings).tenant(tenant)))
+        try:
+            for task, job in enumerate(jobs):
+                client.name_task(array_id, task, job.id)
+            tasks = client.array_tasks(array_id)
+            if sorted(tasks) != list(range(len(jobs))):
+                raise SlurmCommandError(["squeue", "--array", f"--jobs={array_id}"], 0,
+                                        f"array {array_id} shows tasks {sorted(tasks)}, not 0-{len(jobs) - 1}")
+            ids = [tasks[task].job_id for task in range(len(jobs))]
+            for task in range(len(jobs)):
+                client.release_task(array_id, task)
+        except BaseException:
+            client.runner.run(["scancel", str(array_id)], timeout=30)
+            raise
+        return array_id, ids, qos

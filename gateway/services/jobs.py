@@ -116,6 +116,11 @@ def add_event(session: Session, job_id: str, message: str, *, level: str = "info
 
 
 # ------------------------------------------------------------------------ reads
+def tenant_id_of(principal: Principal) -> int:
+    """The caller's tenant id; Forbidden for a principal without a tenant (staff, admins)."""
+    return _tenant_id(principal)
+
+
 def _tenant_id(principal: Principal) -> int:
     if principal.tenant_id is None:
         from gateway.errors import Forbidden

@@ -157,9 +157,9 @@ def render_array(jobs: Sequence[JobScript], *, name: str) -> str:
     Task ``i`` runs ``jobs[i]``'s own script (``render_sbatch``: its directory, environment and
     command; its signal, cancel and requeue handling). The directives are shared: the jobs must
     agree on account, QOS, partition and resources, the time limit is the longest of them, and
-    their directories must be siblings. A task's output goes to ``<its dir>/slurm-<id>.out``
-    through ``%x``, the task's job name: the submitter names every task after its job before it
-    releases the hold (see ``SlurmClient.name_task``).
+    their directories must be siblings. A task's output goes to ``<its dir>/slurm-<id>.out``, as
+    a single job's does: the task opens it itself (Slurm expands ``%x`` in ``--output`` with the
+    array's name, so no directive can name the task's directory).
     """
     if not 1 <= len(jobs) <= MAX_ARRAY_TASKS:
         raise RenderError(f"an array has 1 to {MAX_ARRAY_TASKS} tasks, not {len(jobs)}")
@@ -182,12 +182,14 @@ def render_array(jobs: Sequence[JobScript], *, name: str) -> str:
     output = f"#SBATCH --output={parent}/slurm-%j.out\n"
     if output not in header:
         raise RenderError("unexpected batch script header")
-    header = header.replace(output, f"#SBATCH --output={parent}/%x/slurm-%j.out\n"
+    header = header.replace(output, "#SBATCH --output=/dev/null\n"
                             f"#SBATCH --array=0-{len(jobs) - 1}\n#SBATCH --hold\n")
-    cases = "".join(f"    {i}) cd {shlex.quote(job.job_dir)} && exec /bin/bash -c {shlex.quote(body)} ;;\n"
+    cases = "".join(f"    {i}) cd {shlex.quote(job.job_dir)} && exec >>\"slurm-$SLURM_JOB_ID.out\" 2>&1 "
+                    f"&& exec /bin/bash -c {shlex.quote(body)} ;;\n"
                     for i, (job, body) in enumerate(zip(jobs, bodies, strict=True)))
     return (f"{header}# Rendered by slurm-finetune (gateway.slurm.render_array); do not edit by hand.\n"
             "# Each task runs its own job's script (the same one a single job gets).\n"
+            "umask 077\n"
             'case "${SLURM_ARRAY_TASK_ID:-}" in\n'
             f"{cases}"
             '    *) echo "slurm-finetune: no task ${SLURM_ARRAY_TASK_ID:-?} in this array" >&2; exit 1 ;;\n'

@@ -130,7 +130,7 @@ def test_array_golden_file(tmp_path: Path) -> None:
         ARRAY_GOLDEN.write_text(text)
     assert text == ARRAY_GOLDEN.read_text()
     assert "#SBATCH --array=0-1\n#SBATCH --hold\n" in text and "#SBATCH --time=0-01:35:00\n" in text  # the longest
-    assert "#SBATCH --output=/srv/slurm-finetune/tenants/acme/jobs/%x/slurm-%j.out\n" in text
+    assert "#SBATCH --output=/dev/null\n" in text and 'exec >>"slurm-$SLURM_JOB_ID.out" 2>&1' in text
     (tmp_path / "a.sbatch").write_text(text)
     assert subprocess.run(["bash", "-n", str(tmp_path / "a.sbatch")]).returncode == 0
 
@@ -149,6 +149,7 @@ def test_each_array_task_runs_its_own_jobs_script(tmp_path: Path) -> None:
     env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_ARRAY_JOB_ID": "5", "SLURM_ARRAY_TASK_ID": "1"}
     assert subprocess.run(["bash", str(script)], env=env, timeout=30).returncode == 0
     assert out.read_text() == f"{tasks[1].job_dir} 1\n"
+    assert (Path(tasks[1].job_dir) / "slurm-7.out").is_file()          # its output, in its own directory
     env["SLURM_ARRAY_TASK_ID"] = "9"
     assert subprocess.run(["bash", str(script)], env=env, capture_output=True, timeout=30).returncode == 1
 
