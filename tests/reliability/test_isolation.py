@@ -19,7 +19,7 @@ from sqlmodel import Session
 from starlette.routing import Mount, Route
 
 from gateway.config import Settings
-from gateway.models import DataFile, FineTuningJob, JobCheckpoint, JobEvent, new_id, utcnow
+from gateway.models import DataFile, FineTuningJob, JobCheckpoint, JobEvent, Sweep, new_id, utcnow
 from gateway.storage.layout import tenant_root
 from tests.reliability.conftest import Served
 from tests.service.conftest import TENANT_A, TENANT_B, Gateway, chat_lines, tenant_storage_root
@@ -89,15 +89,19 @@ def _seed_job(gw: Gateway, settings: Settings, fid: str) -> dict[str, str]:
         s.add(JobEvent(job_id=job.id, message=f"Step 1/1: {CANARY}"))
         ck = JobCheckpoint(job_id=job.id, step=1, path="checkpoints/step-1", metrics={"note": CANARY})
         s.add(ck)
+        sweep = Sweep(tenant_id=train.tenant_id, model="tiny-chat", grid={"lora_r": [8]}, job_ids=[job.id],
+                      suffix="iso")
+        job.sweep_id = sweep.id
+        s.add_all([sweep, job])
         s.commit()
         return {"job": job.id, "model": str(job.fine_tuned_model), "result": result.id, "checkpoint": ck.id,
-                "event": "ftevent-1"}
+                "event": "ftevent-1", "sweep": sweep.id}
 
 
 def _fill(path: str, world: dict[str, Any]) -> str:
     """Put tenant A's ids into a route's path parameters (unknown parameters get A's job id)."""
     by_name = {"file_id": world["file"], "job_id": world["job"], "model_id": world["model"],
-               "checkpoint_id": world["checkpoint"]}
+               "checkpoint_id": world["checkpoint"], "sweep_id": world["sweep"]}
     return re.sub(r"\{(\w+)(?::\w+)?\}", lambda m: by_name.get(m.group(1), world["job"]), path)
 
 
@@ -169,6 +173,9 @@ def test_every_route_with_another_tenants_token_shows_nothing(world: dict[str, A
         kw: dict[str, Any] = {}
         if path == "/v1/fine_tuning/jobs" and method == "POST":
             kw["json"] = {"model": "tiny-chat", "training_file": world["file"]}
+        elif path == "/v1/fine_tuning/sweeps" and method == "POST":
+            kw["json"] = {"model": "tiny-chat", "training_file": world["file"], "validation_file": world["file"],
+                          "grid": {"lora_r": [4, 8]}}
         elif path in ("/v1/files", "/portal/datasets") and method == "POST":
             continue          # B uploading its own file: covered by the dedup test below
         elif path in ("/v1/tokens", "/v1/tokens/rotate") and method == "POST":
@@ -180,7 +187,8 @@ def test_every_route_with_another_tenants_token_shows_nothing(world: dict[str, A
             r = served.http.request(method, url, headers=headers, **kw)
         statuses[f"{method} {path}"] = r.status_code
         _no_leak(r, world)
-        if "{" in path or (method == "POST" and path in ("/v1/fine_tuning/jobs", "/portal/jobs")):
+        if "{" in path or (method == "POST" and path in ("/v1/fine_tuning/jobs", "/v1/fine_tuning/sweeps",
+                                                          "/portal/jobs")):
             assert r.status_code in (403, 404) or (path == "/portal/jobs" and r.status_code in (200, 400, 422)), \
                 (method, path, r.status_code, r.text[:200])
         else:
@@ -219,8 +227,11 @@ def test_every_tenant_cli_command_with_a_foreign_or_no_token(world: dict[str, An
                 ["artifacts", "export", world["job"], "--format", "vllm", "--checkpoint", "3",
                  "--output", str(tmp_path / "ex")],
                 ["models", "show", world["model"]], ["models", "bundle", world["model"], "-o", str(tmp_path / "b")],
-                ["models", "aliases"]]
-    tenant_groups = {g: sorted(main.commands[g].commands) for g in ("files", "jobs", "artifacts")}  # type: ignore[attr-defined]
+                ["models", "aliases"],
+                ["sweeps", "show", world["sweep"]], ["sweeps", "cancel", world["sweep"]], ["sweeps", "list", "--json"],
+                ["sweeps", "create", "--training-file", world["file"], "--validation-file", world["file"],
+                 "--model", "tiny-chat", "--grid", "lora_r=4,8"]]
+    tenant_groups = {g: sorted(main.commands[g].commands) for g in ("files", "jobs", "artifacts", "sweeps")}  # type: ignore[attr-defined]
     covered = {g: sorted({c[1] for c in commands if c[0] == g} | ({"upload"} if g == "files" else set()))
                for g in tenant_groups}
     assert tenant_groups == covered, f"a tenant CLI command is not covered here: {tenant_groups}"
@@ -231,7 +242,7 @@ def test_every_tenant_cli_command_with_a_foreign_or_no_token(world: dict[str, An
             get_settings.cache_clear()
             res = CliRunner().invoke(main, argv, env=env)
             out = res.output
-            said = out.replace(world["job"], "")    # the ids the command itself names may be echoed back
+            said = out.replace(world["job"], "").replace(world["sweep"], "")   # ids the command names may be echoed
             said = said.replace(world["model"], "") if world["model"] in argv else said
             assert CANARY not in out and world["model"] not in said, (label, argv, out)
             if argv[1] in ("list", "aliases"):

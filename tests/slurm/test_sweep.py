@@ -115,3 +115,20 @@ def test_a_bad_grid_is_refused_before_anything_runs(gw: LiveGateway, files: dict
     r = gw.api("POST", "/v1/fine_tuning/sweeps", A, json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert len(gw.api("GET", "/v1/fine_tuning/jobs?limit=100", A).json()["data"]) == before
+
+
+def test_the_portal_compares_the_runs_to_their_tenant_only(gw: LiveGateway, sweep: dict[str, Any]) -> None:
+    import httpx
+
+    from tests.service.test_portal_session import sign_in
+
+    with httpx.Client(base_url=gw.url, timeout=30) as mine, httpx.Client(base_url=gw.url, timeout=30) as theirs:
+        sign_in(mine, gw.tokens[A])
+        page = mine.get(f"/portal/sweeps/{sweep['id']}")
+        assert page.status_code == 200, page.text[:300]
+        assert page.text.count("<polyline") == 4 and page.text.count('class="best"') == 1
+        assert f'<a class="mono" href="/portal/models/{sweep["best"]["fine_tuned_model"]}">' in page.text
+        assert sweep["id"] in mine.get("/portal/sweeps").text
+        sign_in(theirs, gw.tokens[B])
+        assert theirs.get(f"/portal/sweeps/{sweep['id']}").status_code == 404
+        assert sweep["id"] not in theirs.get("/portal/sweeps").text
