@@ -149,12 +149,16 @@ class Reconciler:
         # recovering before those could end would submit the job a second time.
         in_flight = 2 * self.settings.slurm_timeout_s + 5
         cutoff = utcnow() - timedelta(seconds=max(self.settings.submission_grace_s, in_flight))
-        lost = list(s.exec(select(FineTuningJob).where(
+        # a sweep's submission makes 2 Slurm calls per run after sbatch (name, release), each up to the timeout
+        sweep_cutoff = cutoff - timedelta(seconds=2 * self.settings.max_sweep_runs * self.settings.slurm_timeout_s)
+        lost = [j for j in s.exec(select(FineTuningJob).where(
             FineTuningJob.status == JobState.VALIDATING_FILES.value,
-            col(FineTuningJob.slurm_job_id).is_(None), col(FineTuningJob.created_at) < cutoff)))
+            col(FineTuningJob.slurm_job_id).is_(None), col(FineTuningJob.created_at) < cutoff))
+            if j.sweep_id is None or j.created_at < sweep_cutoff]
         if not lost:
             return
         found = self.client.find_by_name([j.id for j in lost])
+        self._drop_unnamed_tasks(sorted({j.sweep_id for j in lost if j.sweep_id}))
         tenants = {t.id: t for t in s.exec(select(Tenant))}
         for job in lost:
             tenant = tenants[job.tenant_id]
@@ -162,6 +166,8 @@ class Reconciler:
                 if job.id in found:
                     apply_event(s, job, Event.SUBMITTED, message=f"Recovered: Slurm job {found[job.id]} "
                                 "was submitted before the gateway restarted", slurm_job_id=found[job.id])
+                    if job.sweep_id:
+                        self._release_adopted(found[job.id])
                 elif self.submitter is not None and (spec := resubmittable_spec(
                         session=s, settings=self.settings, storage=self.storage, job=job, tenant=tenant)) is not None:
                     add_event(s, job.id, "Submitting again: the gateway stopped before Slurm had the job")
@@ -174,6 +180,32 @@ class Reconciler:
                 s.commit()
             except StaleJob:
                 s.rollback()
+
+    def _drop_unnamed_tasks(self, sweep_ids: list[str]) -> None:
+        """Cancel the tasks of interrupted sweeps' arrays that were never named after their job (the
+        gateway died between sbatch and naming them): held, they never ran, and their jobs are
+        submitted again one by one. Tasks already named are adopted like any job."""
+        from gateway.slurm.client import SlurmClient
+
+        client = self.client
+        if not sweep_ids or not isinstance(client, SlurmClient):
+            return
+        for sweep_id, array_id in client.find_by_name(sweep_ids).items():
+            for task, q in client.array_tasks(array_id).items():
+                if q.name == sweep_id:
+                    log.warning("sweep %s: cancelling task %d of array %d (never named: its job is "
+                                "submitted again)", sweep_id, task, array_id)
+                    client.runner.run(["scancel", q.control_id], timeout=30)
+
+    def _release_adopted(self, slurm_id: int) -> None:
+        """Release an adopted sweep task: the gateway may have died before it released the hold."""
+        from gateway.slurm.client import SlurmClient
+
+        if isinstance(self.client, SlurmClient):
+            try:
+                self.client.release(slurm_id)
+            except SlurmError as e:       # not held (already released, or running)
+                log.info("Slurm job %d: nothing to release (%s)", slurm_id, e)
 
     # ------------------------------------------------------------- per job
     def _one(self, s: Session, job: FineTuningJob, tenant: Tenant, st: JobStatus, events: bytes) -> bool:

@@ -194,6 +194,13 @@ def field_names(fields: tuple[Field, ...]) -> str:
     return ",".join(f[0] for f in fields)
 
 
+def array_index(v: str) -> int | None:
+    """A job array task's index, or None: not an array task, or a record of several tasks still
+    pending together, which squeue prints as a range ("1-3", "1,4-7%2") unless asked for ``--array``."""
+    v = v.strip()
+    return int(v) if v.isdigit() else None
+
+
 # --------------------------------------------------------------------- squeue
 @dataclass(frozen=True)
 class QueueRecord:
@@ -238,7 +245,7 @@ SQUEUE_FIELDS: tuple[Field, ...] = (
     ("%j", "name", str),
     ("%b", "gpus", gres_gpu_count),
     ("%F", "array_job_id", opt_int),
-    ("%K", "array_task", opt_int),
+    ("%K", "array_task", array_index),
 )
 
 

@@ -29,6 +29,10 @@ def test_squeue_array_tasks_are_addressed_by_array_and_task(data_dir: Path) -> N
     assert [(r.job_id, r.array_job_id, r.array_task, r.name) for r in rows] == [
         (3030, 3029, 0, "ftjob-task0"), (3029, 3029, 1, "sweep-x"), (3029, 3029, 2, "sweep-x")]
     assert [r.control_id for r in rows] == ["3029_0", "3029_1", "3029_2"]
+    # without --array, squeue prints the tasks still pending together as one record of a range
+    pending = rec.parse_squeue((data_dir / "squeue_array_pending.txt").read_text())
+    assert [(r.job_id, r.array_job_id, r.array_task) for r in pending] == [(3047, 3046, 0), (3046, 3046, None)]
+    assert rec.array_index("1,4-7%2") is None and rec.array_index("12") == 12
     plain = rec.parse_squeue((data_dir / "squeue.txt").read_text())
     assert all(r.array_task is None and r.control_id == str(r.job_id) for r in plain)
 
