@@ -63,6 +63,11 @@ class Settings(BaseSettings):
     parallel_efficiency: float = 0.8             # the estimate's speed-up per extra rank
     job_mem_mb: int = 8192
     signal_grace_s: int = 90
+    # detectors (gateway.jobs.detectors): a job silent for stall_factor x its median step time, at least
+    # stall_min_s, is warned about; stall_requeue_s later still silent, it is requeued from its checkpoint
+    stall_factor: float = 20.0
+    stall_min_s: float = 300.0
+    stall_requeue_s: float = 300.0
     # The trainer's device: "auto" trains on CUDA when torch sees it, and refuses the CPU when Slurm
     # gave the job a GPU on a node with the NVIDIA driver loaded (exit 69, failed as node_fail);
     # "cuda" refuses the CPU always (a GPU site that wants no doubt); "cpu" never uses a GPU.

@@ -40,6 +40,10 @@ class LaunchError(TrainerError):
     """The processes launched do not match the spec (``world_size``) or cannot reach each other."""
 
 
+class DivergedError(TrainerError):
+    """The training loss became NaN or infinite: the run cannot recover (a user error: lower the learning rate)."""
+
+
 class PeerError(TrainerError):
     """A collective with the other ranks failed: one of them died, or did not answer within the timeout."""
 

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 EVENT_TYPES = frozenset(
-    {"start", "phase", "metrics", "eval", "checkpoint", "early_stop", "done", "stopped", "failed"}
+    {"start", "phase", "metrics", "eval", "checkpoint", "early_stop", "done", "stopped", "failed", "heartbeat"}
 )
 PHASES = frozenset({"tokenizing", "training", "evaluating", "saving"})
+HEARTBEAT_S = 30.0        # at most one heartbeat this often
 
 
 def _clean(value: Any) -> Any:
@@ -41,6 +42,7 @@ class EventLog:
         self.job_id = job_id
         self.write = write
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600) if write else -1
+        self._beat = time.monotonic()
 
     def emit(self, type_: str, **fields: Any) -> dict[str, Any]:
         """Append one event and fsync it; return the event written.
@@ -64,6 +66,13 @@ class EventLog:
             os.write(self._fd, line)
             os.fsync(self._fd)
         return event
+
+    def heartbeat(self) -> None:
+        """Say the trainer is alive, at most every HEARTBEAT_S seconds (it is called far more often)."""
+        now = time.monotonic()
+        if now - self._beat >= HEARTBEAT_S:
+            self._beat = now
+            self.emit("heartbeat")
 
     def phase(self, name: str) -> None:
         """Record a phase change (tokenizing, training, evaluating, saving)."""

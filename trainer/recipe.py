@@ -39,6 +39,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -59,6 +60,7 @@ from trainer.distributed import World, dropout_seed
 from trainer.errors import (
     CheckpointError,
     DatasetError,
+    DivergedError,
     GpuUnavailableError,
     ModelDigestError,
     PeerError,
@@ -264,7 +266,11 @@ class Recipe:
         log.info("LoRA initialised from the parent adapter (%d tensors)", len(shapes))
 
     def check_stop(self) -> None:
-        """Raise :class:`Stop` when a signal arrived (on any rank: every rank calls this at the same points)."""
+        """Raise :class:`Stop` when a signal arrived (on any rank: every rank calls this at the same points).
+
+        Called after every step and eval batch, it is also where the trainer tells the gateway it
+        is alive (a ``heartbeat`` event at most every HEARTBEAT_S, for its stall detector)."""
+        self.events.heartbeat()
         signum = self.world.agree_stop(self.stop.signum)
         if signum is not None:
             raise Stop(signum)
@@ -346,6 +352,9 @@ class Recipe:
             lr = self.scheduler.get_last_lr()[0]
             with self.world.collectives("training step"):
                 loss, trained = self.optimizer_step(rows)
+            if not math.isfinite(loss):    # the same summed loss on every rank: they all stop here
+                raise DivergedError(f"training diverged at step {progress.step + 1}: the loss is {loss}; "
+                                    "lower the learning rate (learning_rate_multiplier) and submit again")
             progress.step += 1
             dt = time.monotonic() - t0
             progress.elapsed_s = time.monotonic() - started
@@ -656,6 +665,7 @@ def _tuples(value: Any) -> Any:
 
 _EXIT_FOR: list[tuple[type[TrainerError], int, str]] = [
     (DatasetError, exitcodes.USER_ERROR, "user_error"),
+    (DivergedError, exitcodes.USER_ERROR, "user_error"),
     (ModelDigestError, exitcodes.MODEL_ERROR, "model_error"),
     (GpuUnavailableError, exitcodes.GPU_UNAVAILABLE, "gpu_unavailable"),
     (PeerError, exitcodes.PEER_LOST, "peer_lost"),

@@ -86,7 +86,7 @@ def job_object(job: FineTuningJob, tenant: str) -> dict[str, Any]:
         "slurm_job_id": job.slurm_job_id, "attempt": job.attempt, "phase": job.phase, "qos": job.qos,
         "resources": {"gpus": job.gpus, "nodes": job.nodes, "fsdp": job.fsdp},
         "cleanup": job.cleanup, "stop_confirmed": job.stop_confirmed_at is not None,
-        "progress": {k: v for k, v in (job.progress or {}).items() if k not in ("failure", "node", "counted_step")},
+        "progress": {k: v for k, v in (job.progress or {}).items() if k not in svc.INTERNAL_PROGRESS},
     }
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -23,7 +23,7 @@ class CreateSweep(BaseModel):
     model: Annotated[str, Field(min_length=1, max_length=255)]
     training_file: Annotated[str, Field(pattern=JOB_ID)]
     validation_file: Annotated[str, Field(pattern=JOB_ID)]
-    grid: Annotated[dict[Annotated[str, Field(max_length=40)],
+    grid: Annotated[dict[Literal[svc.GRID_KEYS],     # type: ignore[valid-type]
                          Annotated[list[Value], Field(min_length=1, max_length=svc.MAX_VALUES)]],
                     Field(min_length=1, max_length=len(svc.GRID_KEYS))]
     hyperparameters: dict[str, Any] | None = None        # shared by every run

@@ -23,8 +23,9 @@ from sqlmodel import Session, col, select
 
 from gateway.config import Settings
 from gateway.errors import ServiceError, SlurmError
+from gateway.jobs import detectors
 from gateway.jobs.scheduler import Scheduler
-from gateway.jobs.state import Action, Cleanup, Event, FailReason, JobState, decide, from_slurm
+from gateway.jobs.state import Action, Cleanup, Event, FailReason, JobState, SlurmState, decide, from_slurm
 from gateway.models import FineTuningJob, Tenant, utcnow
 from gateway.scrub import ScrubReportError, read_report, report_path
 from gateway.services import jobs as job_service
@@ -64,6 +65,9 @@ class Reconciler:
         self._pausing: set[int] = set()
         self._next_sweep = 0.0
         self._lock = threading.Lock()
+        self.limits = detectors.Limits(stall_factor=settings.stall_factor, stall_min_s=settings.stall_min_s,
+                                       stall_requeue_s=settings.stall_requeue_s)
+        self.detector_counts: dict[str, int] = {}     # findings raised since start, by rule
 
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
@@ -244,7 +248,36 @@ class Reconciler:
                         error={"code": d.reason.value, "message": d.message, "param": None,
                                "reason": d.reason.value},
                         finished_at=utcnow(), stop_confirmed_at=utcnow(), cleanup=Cleanup.PENDING)
+        elif d.action is Action.NOTHING and state is JobState.RUNNING and st.state == SlurmState.RUNNING:
+            self._detect(s, job, st)
         return job.status != before
+
+    def _detect(self, s: Session, job: FineTuningJob, st: JobStatus) -> None:
+        """Run the detectors on a running job: each new finding once per attempt as a warning event
+        (and a count for /metrics); a stall past its grace requeues the job in Slurm."""
+        progress = dict(job.progress or {})
+        start = st.queue.start if st.queue is not None else None
+        time_left = ((start.timestamp() + (job.time_limit_min or 60) * 60) - time.time()) if start else None
+        every = int((job.hyperparameters or {}).get("checkpoint_every_steps") or self.settings.checkpoint_every_steps)
+        findings = detectors.check(progress, attempt=job.attempt, now=time.time(), checkpoint_every=every,
+                                   time_left_s=time_left, grace_s=self.settings.signal_grace_s,
+                                   limits=self.limits, running_since=start.timestamp() if start else None)
+        fired = dict(progress.get("fired") or {})
+        new = [f for f in findings if fired.get(f.rule) != job.attempt]
+        if not new:
+            return
+        for f in new:
+            fired[f.rule] = job.attempt
+            self.detector_counts[f.rule] = self.detector_counts.get(f.rule, 0) + 1
+            add_event(s, job.id, f"Detector {f.rule}: {f.message}", level="warn",
+                      data={"detector": f.rule, "attempt": job.attempt})
+            log.warning("job %s: detector %s fired (attempt %d)", job.id, f.rule, job.attempt)
+        update_fields(s, job, progress={**progress, "fired": fired})
+        if any(f.requeue for f in new) and job.slurm_job_id is not None:
+            try:
+                self.client.requeue(job.slurm_job_id)
+            except SlurmError as e:
+                log.warning("job %s: requeue after a stall failed: %s", job.id, e)
 
     def _publish(self, s: Session, job: FineTuningJob, tenant: Tenant) -> None:
         # one name for the race test (tests/service/test_publication_race.py) to drive publication by

@@ -36,6 +36,10 @@ class Scheduler(Protocol):
         """Release the job's hold: it queues again and resumes from its checkpoint."""
         ...
 
+    def requeue(self, job_id: int) -> None:
+        """Stop the job's run and queue it again: the next attempt resumes from its checkpoint."""
+        ...
+
     def find_by_name(self, names: Iterable[str]) -> dict[str, int]:
         """Job ids by job name, for adopting a job whose submission was never recorded."""
         ...

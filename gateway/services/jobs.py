@@ -116,6 +116,10 @@ def add_event(session: Session, job_id: str, message: str, *, level: str = "info
 
 
 # ------------------------------------------------------------------------ reads
+INTERNAL_PROGRESS = frozenset({"failure", "node", "counted_step", "window", "seen_at", "checkpoint_at", "fired"})
+"""``progress`` keys the job object leaves out: the gateway's bookkeeping (the detectors' watch among it)."""
+
+
 def tenant_id_of(principal: Principal) -> int:
     """The caller's tenant id; Forbidden for a principal without a tenant (staff, admins)."""
     return _tenant_id(principal)
@@ -179,6 +183,11 @@ def list_checkpoints(*, session: Session, principal: Principal, job_id: str) -> 
 
 
 # ----------------------------------------------------------------------- create
+def usable_file(session: Session, principal: Principal, file_id: str, param: str) -> DataFile:
+    """The caller's processed file ``file_id`` (NotFound naming ``param``; ServiceError if not processed)."""
+    return _usable_file(session, principal, file_id, param)
+
+
 def _usable_file(session: Session, principal: Principal, file_id: str, param: str) -> DataFile:
     try:
         row = get_file(session=session, principal=principal, file_id=file_id)
@@ -284,15 +293,18 @@ def create_job(*, session: Session, settings: Settings, principal: Principal, re
             FineTuningJob.tenant_id == tid, FineTuningJob.idempotency_key == req.idempotency_key)).first()
         if existing is not None:
             return _same_request(existing, req)
+    job, spec = prepare_job(session=session, settings=settings, principal=principal, req=req, submit=submit)
     try:
-        with session.begin_nested():
-            job, spec = prepare_job(session=session, settings=settings, principal=principal, req=req, submit=submit)
+        with session.begin_nested():      # the write lock only from here (SQLite): checks and sacctmgr ran before
+            session.add(job)
+            session.flush()
     except IntegrityError:
         existing = session.exec(select(FineTuningJob).where(
             FineTuningJob.tenant_id == tid, FineTuningJob.idempotency_key == req.idempotency_key)).first()
         if existing is None:
             raise
         return _same_request(existing, req)
+    add_event(session, job.id, f"Created fine-tuning job: {job.id}")
     session.commit()
     assert principal.tenant_name is not None
     submit_job(session=session, job=job, spec=spec, tenant=principal.tenant_name, submit=submit)
@@ -300,10 +312,11 @@ def create_job(*, session: Session, settings: Settings, principal: Principal, re
 
 
 def prepare_job(*, session: Session, settings: Settings, principal: Principal, req: JobRequest,
-                submit: Submit, sweep_id: str | None = None) -> tuple[FineTuningJob, dict[str, Any]]:
-    """Validate and admit ``req`` and add its row (flushed, not committed: the rows of a sweep
-    flushed before it count against the tenant's limit of unfinished jobs) with its spec: the
-    part of ``create_job`` before sbatch."""
+                submit: Submit, sweep_id: str | None = None, pending: int = 0) -> tuple[FineTuningJob, dict[str, Any]]:
+    """Validate and admit ``req``: its row (not added to the session: the caller adds it, so that
+    no write, and in SQLite no write lock, happens during the checks) and its spec. ``pending``:
+    jobs of the same request (a sweep's) not in the database yet, counted against the tenant's
+    limit of unfinished jobs."""
     tid = _tenant_id(principal)
     tenant_name = principal.tenant_name
     assert tenant_name is not None          # _tenant_id refused a principal without a tenant
@@ -324,7 +337,7 @@ def prepare_job(*, session: Session, settings: Settings, principal: Principal, r
     epochs = _epochs(hp)
     check_resources(settings, req.gpus, req.nodes, req.fsdp)
     tokens, minutes = estimate(settings, train, epochs, req.gpus)
-    _admit(session, settings, tid, tokens, minutes)
+    _admit(session, settings, tid, tokens, minutes, pending)
     _gpus_allowed(submit, tenant_name, minutes, req.gpus)
     job = FineTuningJob(tenant_id=tid, training_file=train.id, validation_file=val.id if val else None,
                         model=base, model_digest=entry.digest, hyperparameters=hp,
@@ -335,9 +348,6 @@ def prepare_job(*, session: Session, settings: Settings, principal: Principal, r
                         estimated_tokens=tokens, time_limit_min=minutes, gpus=req.gpus, nodes=req.nodes,
                         fsdp=req.fsdp)
     spec = job_spec(settings, tenant_name, job, train, val, entry, init)  # validates hp before any row exists
-    session.add(job)
-    session.flush()
-    add_event(session, job.id, f"Created fine-tuning job: {job.id}")
     return job, spec
 
 
@@ -473,8 +483,8 @@ def _same_request(existing: FineTuningJob, req: JobRequest) -> FineTuningJob:
     return existing
 
 
-def _admit(session: Session, settings: Settings, tid: int, tokens: int, minutes: int) -> None:
-    active = session.exec(select(sa.func.count()).select_from(FineTuningJob).where(
+def _admit(session: Session, settings: Settings, tid: int, tokens: int, minutes: int, pending: int = 0) -> None:
+    active = pending + session.exec(select(sa.func.count()).select_from(FineTuningJob).where(
         FineTuningJob.tenant_id == tid, col(FineTuningJob.status).in_([s.value for s in ACTIVE]))).one()
     if active >= settings.max_active_jobs_per_tenant:
         raise TooManyJobs(f"your tenant already has {active} unfinished jobs; the limit is "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -31,6 +32,7 @@ def ingest_events(*, session: Session, job: FineTuningJob, data: bytes) -> None:
     if end < 0:
         return
     progress = dict(job.progress or {})
+    progress["seen_at"] = round(time.time(), 3)      # the detectors' clock: the gateway's, not the job's
     changes: dict[str, Any] = {}
     for line in data[:end + 1].splitlines():
         try:
@@ -40,9 +42,24 @@ def ingest_events(*, session: Session, job: FineTuningJob, data: bytes) -> None:
         if not isinstance(ev, dict):
             continue
         _one_event(session, job, ev, progress, changes)
+        watch(ev, progress)
     changes["progress"] = progress
     changes["events_offset"] = job.events_offset + end + 1
     update_fields(session, job, **changes)
+
+
+WINDOW = 64      # recent steps the detectors see (gateway.jobs.detectors)
+
+
+def watch(ev: dict[str, Any], progress: dict[str, Any]) -> None:
+    """Keep what the detectors read: the recent steps, and when the newest checkpoint was seen."""
+    step = _int(ev.get("step"))
+    if ev.get("type") == "metrics" and step is not None:
+        row = [_num(ev.get("unix")) or round(time.time(), 3), step, _num(ev.get("loss")),
+               _num(ev.get("tokens_per_s")), _int(ev.get("attempt")) or 0]
+        progress["window"] = [*(progress.get("window") or [])[-(WINDOW - 1):], row]
+    elif ev.get("type") == "checkpoint" and step is not None:
+        progress["checkpoint_at"] = [round(time.time(), 3), step]
 
 
 def trainer_failure(job: FineTuningJob) -> str | None:

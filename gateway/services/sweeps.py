@@ -95,6 +95,8 @@ def create_sweep(*, session: Session, settings: Settings, principal: Principal, 
     if not req.validation_file:
         raise ServiceError("a sweep compares its runs by validation loss: give validation_file",
                            param="validation_file")
+    for param, file_id in (("training_file", req.training_file), ("validation_file", req.validation_file)):
+        jobs_svc.usable_file(session, principal, file_id, param)      # 404 for a file that is not the tenant's
     shared = jobs_svc.build_hyperparameters(req.hyperparameters)
     points = expand(req.grid, settings.max_sweep_runs)
     overlap = sorted(set(jobs_svc.build_hyperparameters(points[0])) & set(shared))
@@ -104,21 +106,19 @@ def create_sweep(*, session: Session, settings: Settings, principal: Principal, 
     sweep = Sweep(id=new_id("ftsweep"), tenant_id=tid, model=req.model, grid=req.grid, job_ids=[],
                   suffix=req.suffix)
     runs: list[tuple[FineTuningJob, dict[str, Any]]] = []
-    try:
-        session.add(sweep)
-        for point in points:
-            run = jobs_svc.JobRequest(training_file=req.training_file, model=req.model,
-                                      validation_file=req.validation_file,
-                                      hyperparameters={**req.hyperparameters, **point}, suffix=req.suffix,
-                                      seed=req.seed)
-            runs.append(jobs_svc.prepare_job(session=session, settings=settings, principal=principal, req=run,
-                                             submit=submit, sweep_id=sweep.id))
-        sweep.job_ids = [job.id for job, _ in runs]
-        session.add(sweep)
-        session.commit()
-    except BaseException:
-        session.rollback()       # a run refused: no row of the sweep is left
-        raise
+    for point in points:           # every run checked and admitted before anything is written
+        run = jobs_svc.JobRequest(training_file=req.training_file, model=req.model,
+                                  validation_file=req.validation_file,
+                                  hyperparameters={**req.hyperparameters, **point}, suffix=req.suffix, seed=req.seed)
+        runs.append(jobs_svc.prepare_job(session=session, settings=settings, principal=principal, req=run,
+                                         submit=submit, sweep_id=sweep.id, pending=len(runs)))
+    sweep.job_ids = [job.id for job, _ in runs]
+    session.add(sweep)
+    for job, _ in runs:
+        session.add(job)
+        session.flush()
+        jobs_svc.add_event(session, job.id, f"Created fine-tuning job: {job.id} (run of sweep {sweep.id})")
+    session.commit()
     tenant = principal.tenant_name
     if settings.local or not isinstance(submit, ArraySubmit):
         for job, spec in runs:

@@ -1,0 +1,43 @@
+"""A run whose loss becomes NaN or infinite stops at that step as a user error, with the fix named,
+instead of burning GPU hours to the end and publishing garbage. The run continues an adapter whose
+weights exploded (finite, but ~1e38: the forward pass overflows), as one a diverged run leaves."""
+
+from __future__ import annotations
+
+import hashlib
+import tarfile
+from pathlib import Path
+
+import pytest
+from trainer_testlib import Reference, Tiny, ToyData, events, make_spec, run_trainer, write_spec
+
+from trainer import exitcodes
+
+pytestmark = pytest.mark.train
+
+
+def _exploded(reference: Reference, tmp: Path) -> dict[str, str]:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(reference.staging / "adapter_model.safetensors")
+    save_file({k: v * 3e37 if "lora_B" in k else v for k, v in tensors.items()}, tmp / "adapter_model.safetensors")
+    out = tmp / "exploded.tar"
+    with tarfile.open(out, "w") as tar:
+        tar.add(tmp / "adapter_model.safetensors", arcname="job-parent/adapter_model.safetensors")
+        tar.add(reference.staging / "adapter_config.json", arcname="job-parent/adapter_config.json")
+    return {"path": str(out), "sha256": hashlib.sha256(out.read_bytes()).hexdigest()}
+
+
+def test_a_non_finite_loss_fails_the_run_at_once_as_a_user_error(reference: Reference, tiny: Tiny, toy: ToyData,
+                                                                 tmp_path: Path) -> None:
+    spec = make_spec(tiny, toy, tmp_path / "job", epochs=1)
+    spec["init_adapter"] = _exploded(reference, tmp_path)
+    code = run_trainer(write_spec(spec, tmp_path / "spec.json"), tmp_path / "log")
+    evs = events(Path(spec["job_dir"]))
+    assert code == exitcodes.USER_ERROR, (tmp_path / "log").read_text()[-2000:]
+    failed = [e for e in evs if e["type"] == "failed"]
+    assert len(failed) == 1 and failed[0]["reason"] == "user_error" and failed[0]["error"] == "DivergedError"
+    print(f"\n{failed[0]['message']}")
+    assert "diverged at step 1" in failed[0]["message"] and "lower the learning rate" in failed[0]["message"]
+    assert not [e for e in evs if e["type"] == "metrics"]           # it stopped at the first bad step
+    assert not (Path(spec["job_dir"]) / "attempts" / "0" / "staging" / "COMPLETE").exists()
