@@ -32,7 +32,7 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
 
     from fastapi.staticfiles import StaticFiles
 
-    from gateway.api import files, jobs, models, registry, staff, sweeps
+    from gateway.api import files, jobs, metrics, models, registry, staff, sweeps
     from gateway.backend import build_backend
     from gateway.portal import STATIC_DIR, STATIC_URL
     from gateway.portal import router as portal_router
@@ -58,6 +58,7 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
     from gateway.api.limits import BodyLimit
 
     app.add_middleware(BodyLimit, max_bytes=settings.max_json_bytes)   # 413 for oversized bodies
+    metrics.install(app)                                                # outermost: times everything
     app.state.settings = settings
     app.state.engine = backend.engine
     from gateway.api.deps import PrincipalCache
@@ -72,6 +73,7 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
     app.include_router(registry.router)
     app.include_router(sweeps.router)
     app.include_router(staff.router)
+    app.include_router(metrics.router)
     app.include_router(portal_router)
     app.mount(STATIC_URL, StaticFiles(directory=STATIC_DIR), name="portal-static")
     app.routes[-1].access = Policy.PUBLIC  # type: ignore[attr-defined]  # the portal's CSS/JS

@@ -53,6 +53,24 @@ class CycleStats:
     errors: list[str] = field(default_factory=list)
 
 
+@dataclass
+class LoopStats:
+    """What the loop did since start, for /metrics: cycles, their seconds, the failed ones by cause."""
+
+    cycles: int = 0
+    seconds: float = 0.0
+    last_seconds: float = 0.0
+    failed: dict[str, int] = field(default_factory=dict)
+
+    def observe(self, seconds: float, failed: str | None = None) -> None:
+        """Count one cycle of ``seconds`` (``failed``: why it failed, "slurm" or "internal")."""
+        self.cycles += 1
+        self.seconds += seconds
+        self.last_seconds = seconds
+        if failed:
+            self.failed[failed] = self.failed.get(failed, 0) + 1
+
+
 class Reconciler:
     """Owns the Slurm client; ``cycle`` once, or ``run`` in a thread until stopped."""
 
@@ -68,6 +86,7 @@ class Reconciler:
         self.limits = detectors.Limits(stall_factor=settings.stall_factor, stall_min_s=settings.stall_min_s,
                                        stall_requeue_s=settings.stall_requeue_s)
         self.detector_counts: dict[str, int] = {}     # findings raised since start, by rule
+        self.stats = LoopStats()
 
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
@@ -75,14 +94,18 @@ class Reconciler:
         retried with a doubling delay (at most ``reconcile_max_backoff_s``)."""
         delay = self.settings.reconcile_interval_s
         while not self.stop.is_set():
+            t0 = time.perf_counter()
             try:
                 self.cycle()
                 delay = self.settings.reconcile_interval_s
+                self.stats.observe(time.perf_counter() - t0)
             except SlurmError as e:
                 delay = min(self.settings.reconcile_max_backoff_s, max(delay * 2, 1.0))
+                self.stats.observe(time.perf_counter() - t0, failed="slurm")
                 log.warning("Slurm query failed (%s); no job changed; retrying in %.0fs", e, delay)
             except Exception:
                 delay = min(self.settings.reconcile_max_backoff_s, max(delay * 2, 1.0))
+                self.stats.observe(time.perf_counter() - t0, failed="internal")
                 log.exception("reconcile cycle failed; retrying in %.0fs", delay)
             self.stop.wait(delay)
 

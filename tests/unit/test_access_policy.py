@@ -31,6 +31,7 @@ OPERATOR_METADATA_ROUTES = {
     "GET /v1/models", "GET /v1/models/{model_id:path}", "POST /portal/logout",
     "GET /v1/staff/tenants/{tenant}/{kind}", "POST /v1/staff/access-requests", "GET /v1/staff/access-requests",
     "GET /portal/admin", "GET /portal/admin/usage", "GET /portal/admin/tenants",
+    "GET /metrics",           # counts, ages and rates by tenant and job id: metadata, never content
 }
 
 
