@@ -163,6 +163,7 @@ class FineTuningJob(SQLModel, table=True):
     result_files: list[str] | None = Field(default=None, sa_type=sa.JSON)
     trained_tokens: int | None = None
     estimated_finish: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    expected_start: datetime | None = Field(default=None, sa_type=UTCDateTime)   # Slurm's plan while pending
     progress: dict[str, Any] | None = Field(default=None, sa_type=sa.JSON)
     events_offset: int = Field(default=0)
 

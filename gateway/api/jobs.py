@@ -80,6 +80,7 @@ def job_object(job: FineTuningJob, tenant: str) -> dict[str, Any]:
         "hyperparameters": openai_hp, "trained_tokens": job.trained_tokens, "error": error,
         "user_provided_suffix": job.suffix, "seed": job.seed if job.seed is not None else hp.get("seed", 0),
         "estimated_finish": _ts(job.estimated_finish) if job.status in (JobState.QUEUED, JobState.RUNNING) else None,
+        "expected_start": _ts(job.expected_start) if job.status == JobState.QUEUED else None,
         "integrations": [], "metadata": job.meta,
         "method": {"type": "supervised", "supervised": {"hyperparameters": {**openai_hp, **hp}}},
         # ours
@@ -106,28 +107,44 @@ def checkpoint_object(ck: JobCheckpoint, job: FineTuningJob, adapter: DataFile |
             "adapter_file": adapter.id if adapter is not None else None}
 
 
+def _request(body: CreateJob, idempotency_key: str | None) -> svc.JobRequest:
+    hp = dict(body.hyperparameters or {})
+    if body.method and body.method.supervised:
+        hp.update(body.method.supervised.hyperparameters)
+    return svc.JobRequest(training_file=body.training_file, model=body.model, validation_file=body.validation_file,
+                          hyperparameters=hp, suffix=body.suffix, seed=body.seed, metadata=body.metadata,
+                          idempotency_key=idempotency_key,
+                          gpus=body.resources.gpus if body.resources else 1,
+                          nodes=body.resources.nodes if body.resources else 1,
+                          fsdp=body.resources.fsdp if body.resources else False,
+                          from_checkpoint=body.from_checkpoint)
+
+
 @router.post("")
 def create_job(body: CreateJob, request: Request, session: SessionDep, settings: SettingsDep,
                principal: PrincipalDep,
                idempotency_key: Annotated[str | None, Header(max_length=255)] = None) -> dict[str, Any]:
     """Create a job (admission control, then sbatch as the tenant's unix user)."""
-    hp = dict(body.hyperparameters or {})
-    if body.method and body.method.supervised:
-        hp.update(body.method.supervised.hyperparameters)
     submitter = request.app.state.submitter
     if submitter is None:
         raise ServiceError("this gateway has no Slurm connection: jobs cannot run", code="no_backend")
     assert principal.tenant_name is not None
-    req = svc.JobRequest(training_file=body.training_file, model=body.model, validation_file=body.validation_file,
-                         hyperparameters=hp, suffix=body.suffix, seed=body.seed, metadata=body.metadata,
-                         idempotency_key=idempotency_key,
-                         gpus=body.resources.gpus if body.resources else 1,
-                         nodes=body.resources.nodes if body.resources else 1,
-                         fsdp=body.resources.fsdp if body.resources else False,
-                         from_checkpoint=body.from_checkpoint)
+    req = _request(body, idempotency_key)
     job = svc.create_job(session=session, settings=settings, principal=principal, req=req, submit=submitter)
     assert principal.tenant_name is not None
     return job_object(job, principal.tenant_name)
+
+
+@router.post("/estimate")
+def estimate_job(body: CreateJob, request: Request, session: SessionDep, settings: SettingsDep,
+                 principal: PrincipalDep) -> dict[str, Any]:
+    """A dry run of create: tokens, time limit, GPU-hours, QOS tier and the expected start (with the
+    reason when it is not now). Nothing is recorded or submitted; the same body, the same errors."""
+    submitter = request.app.state.submitter
+    if submitter is None:
+        raise ServiceError("this gateway has no Slurm connection: jobs cannot run", code="no_backend")
+    return svc.estimate_job(session=session, settings=settings, principal=principal, req=_request(body, None),
+                            submit=submitter)
 
 
 @router.get("")

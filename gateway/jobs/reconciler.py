@@ -120,6 +120,7 @@ class Reconciler:
             if jobs:
                 states = self.client.states([j.slurm_job_id for j in jobs if j.slurm_job_id])
                 stats.slurm_calls = 1
+                self._expected_starts(s, jobs, states)
                 tenants = {t.id: t for t in s.exec(select(Tenant))}
                 events = self._read_events(jobs, tenants)
                 for job in jobs:
@@ -207,6 +208,30 @@ class Reconciler:
                 s.commit()
             except StaleJob:
                 s.rollback()
+
+    def _expected_starts(self, s: Session, jobs: list[FineTuningJob], states: dict[int, JobStatus]) -> None:
+        """Keep each queued job's expected start as Slurm plans it (``squeue --start``: ONE call, only when
+        some job is pending); written only when it moved by a minute or more."""
+        from gateway.slurm.client import SlurmClient
+
+        pending = [j for j in jobs if j.status == JobState.QUEUED.value and j.slurm_job_id
+                   and states.get(j.slurm_job_id) is not None and states[j.slurm_job_id].state == SlurmState.PENDING]
+        if not pending or not isinstance(self.client, SlurmClient):
+            return
+        try:
+            starts = self.client.pending_starts([j.slurm_job_id for j in pending if j.slurm_job_id])
+        except SlurmError as e:
+            log.info("squeue --start failed: %s", e)
+            return
+        for job in pending:
+            new = starts.get(job.slurm_job_id) if job.slurm_job_id else None
+            old = job.expected_start
+            if new is not None and (old is None or abs((new - old).total_seconds()) >= 60):
+                try:
+                    update_fields(s, job, expected_start=new)
+                    s.commit()
+                except StaleJob:
+                    s.rollback()
 
     def _drop_unnamed_tasks(self, sweep_ids: list[str]) -> None:
         """Cancel the tasks of interrupted sweeps' arrays that were never named after their job (the

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from gateway.config import Settings
@@ -84,8 +86,10 @@ class Submitter:
             return self.client.submit(script, user=unix_user_for(tenant)), qos
         return self.client.submit(script, runner=TenantRunner(storage_for(self.settings).tenant(tenant))), qos
 
-    def _script(self, job: FineTuningJob, spec: dict[str, Any], tenant: str, qos: str) -> JobScript:
-        spec_path = storage_for(self.settings).tenant(tenant).write_spec(job.id, spec)  # as the tenant
+    def _script(self, job: FineTuningJob, spec: dict[str, Any], tenant: str, qos: str,
+                write: bool = True) -> JobScript:
+        spec_path = storage_for(self.settings).tenant(tenant).write_spec(job.id, spec) if write \
+            else f"{spec['job_dir']}/spec.json"                  # a dry run (estimate) writes nothing
         return JobScript(
             job_name=job.id, account=tenant, qos=qos, job_dir=spec["job_dir"],
             command=(str(self.settings.runtime_python), "-m", "trainer", "run", str(spec_path)),
@@ -130,3 +134,51 @@ class Submitter:
             client.runner.run(["scancel", str(array_id)], timeout=30)
             raise
         return array_id, ids, qos
+
+    def expected_start(self, job: FineTuningJob, spec: dict[str, Any], tenant: str) -> StartEstimate:
+        """When ``job`` (not submitted) would start, and why not now: the QOS tier's per-user GPU
+        limit first (``sbatch --test-only`` ignores QOS limits), then Slurm's own plan
+        (``--test-only``, as the tenant: resources and priority). Local mode: now."""
+        from gateway.slurm.client import SlurmClient
+
+        qos = self.qos_for(tenant, job.time_limit_min or 60, job.gpus)
+        client = self.client
+        if self.settings.local or not isinstance(client, SlurmClient):
+            return StartEstimate(qos, datetime.now(UTC), None, None)      # local mode: no queue
+        admin = Admin(client.runner, storage_root=self.settings.storage_root,
+                      parent_account=self.settings.parent_account)
+        cap = next((q.max_gpus_per_user for q in admin.show_qos() if q.name == qos), None)
+        running = [r for r in client.running_gpus(tenant) if r[1] == qos]
+        used = sum(r[2] for r in running)
+        if cap is not None and used + job.gpus > cap:
+            ends = sorted(r[3] for r in running if r[3] is not None)
+            need = used + job.gpus - cap
+            freed, when = 0, None
+            for r in sorted(running, key=lambda r: r[3] or datetime.max.replace(tzinfo=UTC)):
+                freed += r[2]
+                if freed >= need:
+                    when = r[3]
+                    break
+            return StartEstimate(qos, when or (ends[-1] if ends else None), "QOSMaxGRESPerUser",
+                                 f"your tenant runs {used} of the {cap} GPUs QOS {qos} allows at once: "
+                                 "it starts when enough of them finish (at the latest their time limits)")
+        script = self._script(job, spec, tenant, qos, write=False)
+        runner = None if self.settings.ssh_host else TenantRunner(storage_for(self.settings).tenant(tenant))
+        start, nodes = client.test_only(script, runner=runner)
+        now = datetime.now(UTC)
+        if start is None or start <= now + timedelta(seconds=5):
+            return StartEstimate(qos, now, None, None, nodes)
+        return StartEstimate(qos, start, "Resources", "the cluster has no free GPUs for it until then "
+                             "(Slurm's plan: running jobs' time limits and the jobs ahead of it)", nodes)
+
+
+@dataclass(frozen=True)
+class StartEstimate:
+    """When a job would start: the QOS it gets, the expected start (None: unknown), Slurm's reason
+    word and our words when it is not now, and the nodes Slurm would use."""
+
+    qos: str
+    start: datetime | None
+    reason: str | None
+    why: str | None
+    nodes: str | None = None

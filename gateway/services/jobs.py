@@ -351,6 +351,26 @@ def prepare_job(*, session: Session, settings: Settings, principal: Principal, r
     return job, spec
 
 
+def estimate_job(*, session: Session, settings: Settings, principal: Principal, req: JobRequest,
+                 submit: Submit) -> dict[str, Any]:
+    """A dry run of ``create_job``: the same checks and admission (the same errors), nothing written
+    or submitted; returns what the job would take and when it would start (``Submitter.expected_start``)."""
+    job, spec = prepare_job(session=session, settings=settings, principal=principal, req=req, submit=submit)
+    session.rollback()
+    minutes = job.time_limit_min or 60
+    out: dict[str, Any] = {"object": "fine_tuning.job.estimate", "model": job.model,
+                           "estimated_tokens": job.estimated_tokens, "gpus": job.gpus, "nodes": job.nodes,
+                           "time_limit_minutes": minutes, "expected_minutes": max(1, round(minutes / 1.5)),
+                           "gpu_hours": round(job.gpus * minutes / 1.5 / 60, 3)}
+    starts = getattr(submit, "expected_start", None)
+    if starts is not None:
+        assert principal.tenant_name is not None
+        est = starts(job, spec, principal.tenant_name)
+        out.update(qos=est.qos, expected_start=int(est.start.timestamp()) if est.start else None,
+                   start_reason=est.reason, start_detail=est.why, nodes_planned=est.nodes)
+    return out
+
+
 LORA_SHAPE = ("lora_r", "lora_alpha", "target_modules")
 """Hyperparameters a continued job takes from its parent: the adapter's shape and scale."""
 

@@ -13,6 +13,7 @@ on clusters whose libslurm matches a PyPI pyslurm release. Debian 12 ships Slurm
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -65,6 +66,9 @@ def pyslurm_status() -> str:
     except ImportError as e:
         return f"unavailable: {e} (PyPI has no pyslurm build for this Slurm; CLI reads are used)"
     return "importable, but not wired: CLI reads are used"
+
+
+_TEST_ONLY = re.compile(r"to start at (\S+) using \d+ processors on nodes (\S+)")
 
 
 def _slurm_time(t: datetime) -> str:
@@ -202,6 +206,49 @@ class SlurmClient:
         if res.returncode != 0 and "Invalid job id" in res.stderr:
             return []  # every id already left slurmctld's memory
         return rec.parse_squeue(res.check().stdout)
+
+    def test_only(self, job: JobScript, *, runner: Runner | None = None) -> tuple[datetime | None, str | None]:
+        """When Slurm would start ``job`` now (``sbatch --test-only``: nothing is submitted) and on which
+        nodes. Slurm's answer weighs resources and priority, not QOS limits. SlurmCommandError if refused."""
+        script = render_sbatch(job).replace("#!/bin/bash\n", "#!/bin/bash\n#SBATCH --test-only\n", 1)
+        res = (runner or self.runner).run(["sbatch", "--parsable", "--export=NONE"], input=script,
+                                          timeout=self.timeout).check()
+        m = _TEST_ONLY.search(res.stderr + res.stdout)
+        if not m:
+            raise SlurmCommandError(["sbatch", "--test-only"], 0, f"unexpected answer: {res.stderr[-300:]!r}")
+        return rec.opt_time(m.group(1)), m.group(2)
+
+    def running_gpus(self, account: str) -> list[tuple[int, str, int, datetime | None]]:
+        """The account's running jobs as (job id, QOS, GPUs, expected end), in ONE squeue call."""
+        res = self._run(["squeue", "--noheader", "--states=RUNNING,CONFIGURING",
+                         f"--account={validate_unix_name(account)}",
+                         f"--format=%A{rec.DELIM}%q{rec.DELIM}%b{rec.DELIM}%e"]).check()
+        out = []
+        for line in res.stdout.splitlines():
+            parts = line.split(rec.DELIM)
+            if len(parts) == 4 and parts[0].strip().isdigit():
+                out.append((int(parts[0]), parts[1], rec.gres_gpu_count(parts[2]), rec.opt_time(parts[3])))
+        return out
+
+    def pending_starts(self, job_ids: Iterable[int]) -> dict[int, datetime | None]:
+        """Slurm's expected start of each pending job among ``job_ids`` (``squeue --start``: None while the
+        scheduler has not planned it), in ONE call."""
+        ids = sorted({int(j) for j in job_ids})
+        if not ids:
+            return {}
+        res = self._run(["squeue", "--noheader", "--start", "--jobs=" + ",".join(map(str, ids)),
+                         f"--format=%A{rec.DELIM}%S"])
+        if res.returncode != 0:
+            return {}
+        out: dict[int, datetime | None] = {}
+        for line in res.stdout.splitlines():
+            parts = line.split(rec.DELIM)
+            if len(parts) == 2 and parts[0].strip().isdigit() and int(parts[0]) in ids:
+                try:
+                    out[int(parts[0])] = rec.opt_time(parts[1])
+                except rec.SlurmParseError:
+                    out[int(parts[0])] = None
+        return out
 
     def array_tasks(self, array_id: int) -> dict[int, rec.QueueRecord]:
         """The tasks of job array ``array_id`` still in the queue, by task index (ONE squeue call)."""

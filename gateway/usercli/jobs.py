@@ -36,32 +36,40 @@ def jobs() -> None:
     """Your fine-tuning jobs: create, list, show, follow, cancel."""
 
 
-@jobs.command("create")
-@click.option("--training-file", required=True, help="File id of a processed training dataset.")
-@click.option("--validation-file", help="File id of a processed validation dataset.")
-@click.option("--model", required=True,
-              help="Base model from the catalog (`finetune models list`), or your ft:... model to train further.")
-@click.option("--epochs", type=click.IntRange(1, 100))
-@click.option("--learning-rate-multiplier", type=click.FloatRange(min=0, min_open=True))
-@click.option("--lora-r", type=click.IntRange(1, 1024))
-@click.option("--batch-size-tokens", type=click.IntRange(16))
-@click.option("--max-seq-len", type=click.IntRange(8))
-@click.option("--suffix", help="Up to 64 characters of [A-Za-z0-9_.-] in the fine-tuned model's name.")
-@click.option("--seed", type=click.IntRange(0, 2**31 - 1))
-@click.option("--idempotency-key", help="Sending the same key again returns the same job.")
-@click.option("--gpus", type=click.IntRange(1, 1024), help="GPUs in all, one trainer rank each (default 1).")
-@click.option("--nodes", type=click.IntRange(1, 1024), help="Nodes to spread the GPUs over (default 1).")
-@click.option("--fsdp", is_flag=True, help="Shard the model over the GPUs (FSDP): for a base too large for one GPU.")
-@click.option("--from-checkpoint", metavar="JOB_ID[:STEP]",
-              help="Continue from that job's checkpoint (its newest without STEP; `finetune jobs checkpoints`).")
-@click.option("--hp", "extra", multiple=True, metavar="KEY=VALUE", help="Any other hyperparameter (repeatable).")
-@click.option("--json", "as_json", is_flag=True)
-def create_job(training_file: str, validation_file: str | None, model: str, epochs: int | None,
-               learning_rate_multiplier: float | None, lora_r: int | None, batch_size_tokens: int | None,
-               max_seq_len: int | None, suffix: str | None, seed: int | None, idempotency_key: str | None,
-               gpus: int | None, nodes: int | None, fsdp: bool, from_checkpoint: str | None,
-               extra: tuple[str, ...], as_json: bool) -> None:
-    """Create a fine-tuning job; it is submitted at once (to Slurm; in local mode it starts on this machine)."""
+_JOB_OPTIONS = [
+    click.option("--training-file", required=True, help="File id of a processed training dataset."),
+    click.option("--validation-file", help="File id of a processed validation dataset."),
+    click.option("--model", required=True,
+                 help="Base model from the catalog (`finetune models list`), or your ft:... model to train further."),
+    click.option("--epochs", type=click.IntRange(1, 100)),
+    click.option("--learning-rate-multiplier", type=click.FloatRange(min=0, min_open=True)),
+    click.option("--lora-r", type=click.IntRange(1, 1024)),
+    click.option("--batch-size-tokens", type=click.IntRange(16)),
+    click.option("--max-seq-len", type=click.IntRange(8)),
+    click.option("--suffix", help="Up to 64 characters of [A-Za-z0-9_.-] in the fine-tuned model's name."),
+    click.option("--seed", type=click.IntRange(0, 2**31 - 1)),
+    click.option("--gpus", type=click.IntRange(1, 1024), help="GPUs in all, one trainer rank each (default 1)."),
+    click.option("--nodes", type=click.IntRange(1, 1024), help="Nodes to spread the GPUs over (default 1)."),
+    click.option("--fsdp", is_flag=True,
+                 help="Shard the model over the GPUs (FSDP): for a base too large for one GPU."),
+    click.option("--from-checkpoint", metavar="JOB_ID[:STEP]",
+                 help="Continue from that job's checkpoint (its newest without STEP; `finetune jobs checkpoints`)."),
+    click.option("--hp", "extra", multiple=True, metavar="KEY=VALUE", help="Any other hyperparameter (repeatable)."),
+    click.option("--json", "as_json", is_flag=True),
+]
+
+
+def _job_options(f: Any) -> Any:
+    """The options `create` and `estimate` share (one job's request)."""
+    for option in reversed(_JOB_OPTIONS):
+        f = option(f)
+    return f
+
+
+def _job_body(training_file: str, validation_file: str | None, model: str, epochs: int | None,
+              learning_rate_multiplier: float | None, lora_r: int | None, batch_size_tokens: int | None,
+              max_seq_len: int | None, suffix: str | None, seed: int | None, gpus: int | None, nodes: int | None,
+              fsdp: bool, from_checkpoint: str | None, extra: tuple[str, ...]) -> dict[str, Any]:
     named = {"n_epochs": epochs, "learning_rate_multiplier": learning_rate_multiplier, "lora_r": lora_r,
              "batch_size_tokens": batch_size_tokens, "max_seq_len": max_seq_len}
     hp = {**{k: v for k, v in named.items() if v is not None}, **_parse_hp(extra)}
@@ -69,7 +77,16 @@ def create_job(training_file: str, validation_file: str | None, model: str, epoc
             "hyperparameters": hp or None, "suffix": suffix, "seed": seed,
             "resources": {"gpus": gpus or 1, "nodes": nodes or 1, "fsdp": fsdp} if gpus or nodes or fsdp else None,
             "from_checkpoint": from_checkpoint}
-    obj = call("POST", "/v1/fine_tuning/jobs", json={k: v for k, v in body.items() if v is not None},
+    return {k: v for k, v in body.items() if v is not None}
+
+
+@jobs.command("create")
+@_job_options
+@click.option("--idempotency-key", help="Sending the same key again returns the same job.")
+def create_job(idempotency_key: str | None, as_json: bool, **request: Any) -> None:
+    """Create a fine-tuning job; it is submitted at once (to Slurm; in local mode it starts on this machine)."""
+    body = _job_body(**request)
+    obj = call("POST", "/v1/fine_tuning/jobs", json=body,
                headers={"Idempotency-Key": idempotency_key} if idempotency_key else None).json()
     if as_json:
         _echo_json(obj)
@@ -80,6 +97,25 @@ def create_job(training_file: str, validation_file: str | None, model: str, epoc
         click.echo(f"  error: {obj['error'].get('message')}")
         raise SystemExit(1)
     click.echo(f"  follow it: finetune jobs follow {obj['id']}")
+
+
+@jobs.command("estimate")
+@_job_options
+def estimate_job(as_json: bool, **request: Any) -> None:
+    """What a job would take and when it would start, without creating it (a dry run of `create`)."""
+    est = call("POST", "/v1/fine_tuning/jobs/estimate", json=_job_body(**request)).json()
+    if as_json:
+        _echo_json(est)
+        return
+    click.echo(f"~{est['estimated_tokens']:,} training tokens on {est['gpus']} GPU(s): about "
+               f"{est['expected_minutes']} min ({est['gpu_hours']} GPU-hours), "
+               f"time limit {est['time_limit_minutes']} min")
+    if "qos" in est:
+        start = est.get("expected_start")
+        when = "now" if start is not None and start <= time.time() + 5 else _when(start) if start else "unknown"
+        click.echo(f"QOS {est['qos']}; expected start: {when}")
+        if est.get("start_reason"):
+            click.echo(f"  why later: {est['start_reason']}: {est['start_detail']}")
 
 
 @jobs.command("list")
