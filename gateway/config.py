@@ -68,6 +68,11 @@ class Settings(BaseSettings):
     stall_factor: float = 20.0
     stall_min_s: float = 300.0
     stall_requeue_s: float = 300.0
+    # webhooks: receivers on loopback, link-local or private addresses only when their host is listed here
+    webhook_allowed_hosts: list[str] = []
+    webhook_timeout_s: float = 5.0
+    webhook_max_attempts: int = 8
+    webhook_retry_base_s: float = 10.0    # the wait after the n-th failure: base x 2^(n-1)
     # The trainer's device: "auto" trains on CUDA when torch sees it, and refuses the CPU when Slurm
     # gave the job a GPU on a node with the NVIDIA driver loaded (exit 69, failed as node_fail);
     # "cuda" refuses the CPU always (a GPU site that wants no doubt); "cpu" never uses a GPU.

@@ -280,6 +280,40 @@ class Sweep(SQLModel, table=True):
     suffix: str | None = Field(default=None, max_length=64)
 
 
+class WebhookEndpoint(SQLModel, table=True):
+    """A tenant's receiver of job events (registered by its admin); ``secret`` signs each delivery."""
+
+    __tablename__ = "webhook_endpoints"
+
+    id: str = Field(default_factory=lambda: new_id("whk"), primary_key=True, max_length=40)
+    tenant_id: int = Field(foreign_key="tenants.id", index=True)
+    url: str = Field(max_length=2000)
+    secret: str = Field(max_length=80)                        # whsec_<base64>, Standard Webhooks
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    deleted_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+
+
+class WebhookDelivery(SQLModel, table=True):
+    """One event for one endpoint (the outbox row, written with the job's transition): ``id`` is its
+    ``webhook-id``; tried until delivered (a 2xx) or out of attempts, with exponential back-off."""
+
+    __tablename__ = "webhook_deliveries"
+
+    id: str = Field(default_factory=lambda: new_id("msg"), primary_key=True, max_length=40)
+    endpoint_id: str = Field(foreign_key="webhook_endpoints.id", index=True, max_length=40)
+    tenant_id: int = Field(foreign_key="tenants.id", index=True)
+    event_type: str = Field(max_length=64)
+    job_id: str = Field(max_length=40)
+    body: str = Field(sa_type=sa.Text)
+    status: str = Field(default="pending", max_length=16, index=True)   # gateway.jobs.state.DeliveryState
+    attempts: int = 0
+    next_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    last_status: int | None = None
+    last_error: str | None = Field(default=None, max_length=300)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    delivered_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+
+
 class ModelAlias(SQLModel, table=True):
     """A tenant's named pointer to one of its fine-tuned models of a base (``prod`` for tiny-chat),
     moved only by a gated promotion (gateway.services.registry)."""

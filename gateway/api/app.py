@@ -32,7 +32,7 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
 
     from fastapi.staticfiles import StaticFiles
 
-    from gateway.api import files, jobs, metrics, models, registry, staff, sweeps
+    from gateway.api import files, jobs, metrics, models, registry, staff, sweeps, webhooks
     from gateway.backend import build_backend
     from gateway.portal import STATIC_DIR, STATIC_URL
     from gateway.portal import router as portal_router
@@ -72,6 +72,7 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
     app.include_router(models.router)
     app.include_router(registry.router)
     app.include_router(sweeps.router)
+    app.include_router(webhooks.router)
     app.include_router(staff.router)
     app.include_router(metrics.router)
     app.include_router(portal_router)

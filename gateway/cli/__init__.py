@@ -19,7 +19,7 @@ import click
 
 from gateway.cli.service import broker, demo, dev_cluster, reconcile, serve
 from gateway.cli.sysadmin import admin
-from gateway.usercli import access, artifacts, audit, files, jobs, login, staff, sweeps, tokens
+from gateway.usercli import access, artifacts, audit, files, jobs, login, staff, sweeps, tokens, webhooks
 
 
 @click.group()
@@ -29,7 +29,7 @@ def main() -> None:
 
 
 for _command in (dev_cluster, admin, serve, reconcile, broker, demo,
-                 login, files, jobs, sweeps, artifacts, tokens, staff, access, audit):
+                 login, files, jobs, sweeps, artifacts, tokens, staff, access, audit, webhooks):
     main.add_command(_command)
 
 

@@ -29,6 +29,7 @@ from gateway.jobs.state import Action, Cleanup, Event, FailReason, JobState, Slu
 from gateway.models import FineTuningJob, Tenant, utcnow
 from gateway.scrub import ScrubReportError, read_report, report_path
 from gateway.services import jobs as job_service
+from gateway.services import webhooks
 from gateway.services.jobs import StaleJob, add_event, apply_event, update_fields
 from gateway.services.progress import ingest_events, trainer_failure
 from gateway.services.publication import fine_tuned_model_name as fine_tuned_model_name  # re-exported
@@ -87,6 +88,7 @@ class Reconciler:
                                        stall_requeue_s=settings.stall_requeue_s)
         self.detector_counts: dict[str, int] = {}     # findings raised since start, by rule
         self.stats = LoopStats()
+        self._delivering = False
 
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
@@ -107,7 +109,27 @@ class Reconciler:
                 delay = min(self.settings.reconcile_max_backoff_s, max(delay * 2, 1.0))
                 self.stats.observe(time.perf_counter() - t0, failed="internal")
                 log.exception("reconcile cycle failed; retrying in %.0fs", delay)
+            self.start_deliveries()
             self.stop.wait(delay)
+
+    def start_deliveries(self) -> None:
+        """POST the due webhook deliveries (``services.webhooks.deliver_due``) in a thread, one at a time:
+        a slow receiver never delays a cycle."""
+        with self._lock:
+            if self._delivering:
+                return
+            self._delivering = True
+
+        def work() -> None:
+            try:
+                webhooks.deliver_due(self.engine, self.settings)
+            except Exception:
+                log.exception("webhook deliveries failed")
+            finally:
+                with self._lock:
+                    self._delivering = False
+
+        threading.Thread(target=work, name="webhooks", daemon=True).start()
 
     def cycle(self) -> CycleStats:
         """One pass over every active job. Raises SlurmError (nothing changed) if Slurm fails."""

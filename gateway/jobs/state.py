@@ -22,6 +22,14 @@ class SweepState(StrEnum):
     FINISHED = "finished"
 
 
+class DeliveryState(StrEnum):
+    """A webhook delivery's status: pending until a 2xx answer (delivered) or out of attempts (failed)."""
+
+    PENDING = "pending"
+    DELIVERED = "delivered"
+    FAILED = "failed"
+
+
 class JobState(StrEnum):
     VALIDATING_FILES = "validating_files"
     QUEUED = "queued"

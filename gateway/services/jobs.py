@@ -24,7 +24,7 @@ from sqlmodel import Session, col, select
 from gateway.access.tokens import Principal
 from gateway.config import Settings
 from gateway.errors import Conflict, NotFound, ServiceError, TooManyJobs
-from gateway.jobs.state import ACTIVE, Event, FailReason, JobState, transition
+from gateway.jobs.state import ACTIVE, TERMINAL, Event, FailReason, JobState, transition
 from gateway.models import DataFile, FileStatus, FineTuningJob, JobCheckpoint, JobEvent, utcnow
 from gateway.services.files import get_file
 from gateway.storage import layout
@@ -88,10 +88,15 @@ def apply_event(session: Session, job: FineTuningJob, event: Event, *, message: 
                 level: str = "info", **changes: Any) -> JobState:
     """Move ``job`` by ``event`` (IllegalTransition if not allowed), with ``changes``,
     in the caller's transaction. Raises StaleJob if another writer got there first."""
-    new = transition(JobState(job.status), event)
+    before = JobState(job.status)
+    new = transition(before, event)
     update_fields(session, job, status=new.value, **changes)
     add_event(session, job.id, message or f"Job {new.value.replace('_', ' ')}", level=level,
               data={"status": new.value})
+    if new in TERMINAL and before not in TERMINAL:
+        from gateway.services import webhooks
+
+        webhooks.enqueue(session, job, new)     # the outbox: in this transaction, or not at all
     return new
 
 

@@ -10,8 +10,9 @@ from gateway.usercli.client import Unreachable, call, connection, save_credentia
 from gateway.usercli.files import files
 from gateway.usercli.jobs import jobs, progress_line
 from gateway.usercli.sweeps import sweeps
+from gateway.usercli.webhooks import webhooks
 
 __all__ = [
     "Unreachable", "access", "artifacts", "audit", "call", "connection", "extract_adapter", "files", "jobs",
-    "login", "progress_line", "save_credentials", "saved_url", "staff", "sweeps", "tokens",
+    "login", "progress_line", "save_credentials", "saved_url", "staff", "sweeps", "tokens", "webhooks",
 ]

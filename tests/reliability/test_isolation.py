@@ -19,7 +19,7 @@ from sqlmodel import Session
 from starlette.routing import Mount, Route
 
 from gateway.config import Settings
-from gateway.models import DataFile, FineTuningJob, JobCheckpoint, JobEvent, Sweep, new_id, utcnow
+from gateway.models import DataFile, FineTuningJob, JobCheckpoint, JobEvent, Sweep, WebhookEndpoint, new_id, utcnow
 from gateway.storage.layout import tenant_root
 from tests.reliability.conftest import Served
 from tests.service.conftest import TENANT_A, TENANT_B, Gateway, chat_lines, tenant_storage_root
@@ -92,16 +92,17 @@ def _seed_job(gw: Gateway, settings: Settings, fid: str) -> dict[str, str]:
         sweep = Sweep(tenant_id=train.tenant_id, model="tiny-chat", grid={"lora_r": [8]}, job_ids=[job.id],
                       suffix="iso")
         job.sweep_id = sweep.id
-        s.add_all([sweep, job])
+        hook = WebhookEndpoint(tenant_id=train.tenant_id, url=f"https://example.org/{CANARY}", secret="whsec_AAAA")
+        s.add_all([sweep, job, hook])
         s.commit()
         return {"job": job.id, "model": str(job.fine_tuned_model), "result": result.id, "checkpoint": ck.id,
-                "event": "ftevent-1", "sweep": sweep.id}
+                "event": "ftevent-1", "sweep": sweep.id, "webhook": hook.id}
 
 
 def _fill(path: str, world: dict[str, Any]) -> str:
     """Put tenant A's ids into a route's path parameters (unknown parameters get A's job id)."""
     by_name = {"file_id": world["file"], "job_id": world["job"], "model_id": world["model"],
-               "checkpoint_id": world["checkpoint"], "sweep_id": world["sweep"]}
+               "checkpoint_id": world["checkpoint"], "sweep_id": world["sweep"], "webhook_id": world["webhook"]}
     return re.sub(r"\{(\w+)(?::\w+)?\}", lambda m: by_name.get(m.group(1), world["job"]), path)
 
 
@@ -230,8 +231,12 @@ def test_every_tenant_cli_command_with_a_foreign_or_no_token(world: dict[str, An
                 ["models", "aliases"],
                 ["sweeps", "show", world["sweep"]], ["sweeps", "cancel", world["sweep"]], ["sweeps", "list", "--json"],
                 ["sweeps", "create", "--training-file", world["file"], "--validation-file", world["file"],
-                 "--model", "tiny-chat", "--grid", "lora_r=4,8"]]
-    tenant_groups = {g: sorted(main.commands[g].commands) for g in ("files", "jobs", "artifacts", "sweeps")}  # type: ignore[attr-defined]
+                 "--model", "tiny-chat", "--grid", "lora_r=4,8"],
+                ["jobs", "estimate", "--training-file", world["file"], "--model", "tiny-chat"],
+                ["webhooks", "list", "--json"], ["webhooks", "deliveries", world["webhook"]],
+                ["webhooks", "rm", world["webhook"]], ["webhooks", "add", "https://example.org/x"]]
+    tenant_groups = {g: sorted(main.commands[g].commands) for g in ("files", "jobs", "artifacts", "sweeps",
+                                                                    "webhooks")}  # type: ignore[attr-defined]
     covered = {g: sorted({c[1] for c in commands if c[0] == g} | ({"upload"} if g == "files" else set()))
                for g in tenant_groups}
     assert tenant_groups == covered, f"a tenant CLI command is not covered here: {tenant_groups}"
@@ -252,7 +257,8 @@ def test_every_tenant_cli_command_with_a_foreign_or_no_token(world: dict[str, An
                     assert res.exit_code != 0, (argv, out)
             else:
                 assert res.exit_code != 0, (label, argv, out)
-                want = "404" if label == "foreign" else ("401", "not logged in")
+                admin_only = argv[0] == "webhooks" and argv[1] in ("add", "rm")     # a member: 403 before any lookup
+                want = ("403" if admin_only else "404") if label == "foreign" else ("401", "not logged in")
                 assert any(w in out for w in ((want,) if isinstance(want, str) else want)), (label, argv, out)
     get_settings.cache_clear()
     assert not (tmp_path / "dl").exists() or not any((tmp_path / "dl").iterdir())

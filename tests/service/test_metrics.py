@@ -54,3 +54,14 @@ def test_requests_jobs_and_a_running_job_are_exported(gw: Gateway) -> None:
     (_, ck_age), = fam["sft_job_checkpoint_age_seconds"]
     assert 30.0 <= ck_age < 90
     assert "sft_reconcile_cycles" in fam and "sft_detector_findings" in fam
+
+
+def test_the_sample_dashboard_asks_only_for_metrics_the_gateway_exports(gw: Gateway) -> None:
+    import json
+    import re
+    from pathlib import Path
+
+    dash = json.loads((Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json").read_text())
+    asked = {re.sub(r"_(total|bucket|sum|count)$", "", name) for p in dash["panels"] for t in p["targets"]
+             for name in re.findall(r"\bsft_[a-z_]+", t["expr"])}
+    assert asked and asked <= set(_families(gw)), asked - set(_families(gw))

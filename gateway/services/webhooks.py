@@ -1,0 +1,199 @@
+"""Webhooks: a tenant's endpoints, the outbox of job events and their signed delivery.
+
+A tenant admin registers an http(s) URL (``register``); the gateway answers with the endpoint's
+secret, once. When a job succeeds, fails or is cancelled, ``enqueue`` adds one delivery per
+endpoint in the same transaction as the transition (an outbox: no event is lost to a crash, none
+is sent for a transition that rolled back). ``deliver_due`` (run by the reconciler's process)
+POSTs each due one, signed the Standard Webhooks way (``webhook-id``, ``webhook-timestamp``,
+``webhook-signature: v1,<base64 HMAC-SHA256 of id.timestamp.body>``, which OpenAI's SDK
+verifies), with OpenAI's event body (``{"object": "event", "type":
+"fine_tuning.job.succeeded", "data": {"id": ...}}``); a non-2xx answer or no answer is retried
+after ``webhook_retry_base_s`` x 2^(n-1), up to ``webhook_max_attempts``. The log of deliveries
+is the tenant's to read.
+
+URLs (``check_url``), at registration and again before every delivery (DNS may change):
+http or https, no credentials; every address the host resolves to must be public (not
+loopback, link-local, private, multicast or reserved) unless the host is in the site's
+``webhook_allowed_hosts``. Redirects are not followed.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+import secrets
+import socket
+import time
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlsplit
+
+from sqlmodel import Session, col, select
+
+from gateway.access import audit
+from gateway.access.tokens import Principal
+from gateway.config import Settings
+from gateway.errors import NotFound, ServiceError
+from gateway.jobs.state import DeliveryState, JobState
+from gateway.models import FineTuningJob, Tenant, WebhookDelivery, WebhookEndpoint, utcnow
+
+log = logging.getLogger(__name__)
+
+EVENTS = {JobState.SUCCEEDED: "fine_tuning.job.succeeded", JobState.FAILED: "fine_tuning.job.failed",
+          JobState.CANCELLED: "fine_tuning.job.cancelled"}
+MAX_ENDPOINTS = 10       # per tenant
+
+
+def check_url(url: str, settings: Settings) -> str:
+    """``url`` if the gateway may POST to it (see the module doc); ServiceError (400, ``url``) otherwise."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.username or parts.password:
+        raise ServiceError("url must be http(s)://host[:port]/path, without credentials", param="url")
+    host = parts.hostname
+    if host in settings.webhook_allowed_hosts:
+        return url
+    try:
+        infos = socket.getaddrinfo(host, parts.port or (443 if parts.scheme == "https" else 80),
+                                   proto=socket.IPPROTO_TCP)
+    except (socket.gaierror, UnicodeError):
+        raise ServiceError(f"url: {host} does not resolve", param="url") from None
+    for info in infos:
+        addr = ipaddress.ip_address(info[4][0])
+        if not addr.is_global or addr.is_multicast:
+            raise ServiceError(f"url: {host} is a {_kind(addr)} address ({addr}); this site sends webhooks "
+                               "to public addresses only, unless its administrator allows the host",
+                               param="url")
+    return url
+
+
+def _kind(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
+    for kind in ("loopback", "link_local", "private", "multicast", "reserved", "unspecified"):
+        if getattr(addr, f"is_{kind}"):
+            return kind.replace("_", "-")
+    return "non-public"
+
+
+def register(*, session: Session, settings: Settings, principal: Principal, url: str) -> WebhookEndpoint:
+    """Add an endpoint for the caller's tenant (its admin; audited); its ``secret`` is shown only now."""
+    assert principal.tenant_id is not None
+    check_url(url, settings)
+    live = session.exec(select(WebhookEndpoint).where(WebhookEndpoint.tenant_id == principal.tenant_id,
+                                                      col(WebhookEndpoint.deleted_at).is_(None))).all()
+    if len(live) >= MAX_ENDPOINTS:
+        raise ServiceError(f"your tenant has {len(live)} webhook endpoints, the most it may have", param="url")
+    row = WebhookEndpoint(tenant_id=principal.tenant_id, url=url,
+                          secret="whsec_" + base64.b64encode(secrets.token_bytes(24)).decode())
+    session.add(row)
+    session.flush()
+    audit.append(session, at=utcnow(), actor=audit.Actor(principal.token_id, principal.role.value),
+                 action="webhook.register", outcome=audit.ALLOWED, tenant=principal.tenant_name,
+                 resource=f"webhook:{row.id}", reason=f"url {url[:200]}")
+    session.commit()
+    return row
+
+
+def endpoints(*, session: Session, principal: Principal) -> list[WebhookEndpoint]:
+    """The caller's tenant's live endpoints, oldest first."""
+    return list(session.exec(select(WebhookEndpoint).where(WebhookEndpoint.tenant_id == principal.tenant_id,
+                                                           col(WebhookEndpoint.deleted_at).is_(None))
+                             .order_by(col(WebhookEndpoint.created_at))))
+
+
+def _own(session: Session, principal: Principal, endpoint_id: str) -> WebhookEndpoint:
+    row = session.get(WebhookEndpoint, endpoint_id)
+    if row is None or row.tenant_id != principal.tenant_id or row.deleted_at is not None:
+        raise NotFound(f"no such webhook endpoint: {endpoint_id}", param="webhook_id")
+    return row
+
+
+def remove(*, session: Session, principal: Principal, endpoint_id: str) -> None:
+    """Delete the endpoint (its pending deliveries are dropped; audited); NotFound for another tenant's."""
+    row = _own(session, principal, endpoint_id)
+    row.deleted_at = utcnow()
+    session.add(row)
+    for d in session.exec(select(WebhookDelivery).where(WebhookDelivery.endpoint_id == row.id,
+                                                        WebhookDelivery.status == DeliveryState.PENDING)):
+        d.status, d.last_error = DeliveryState.FAILED, "the endpoint was deleted"
+        session.add(d)
+    audit.append(session, at=utcnow(), actor=audit.Actor(principal.token_id, principal.role.value),
+                 action="webhook.delete", outcome=audit.ALLOWED, tenant=principal.tenant_name,
+                 resource=f"webhook:{row.id}")
+    session.commit()
+
+
+def deliveries(*, session: Session, principal: Principal, endpoint_id: str, limit: int = 50) -> list[WebhookDelivery]:
+    """The endpoint's deliveries, newest first; NotFound for another tenant's endpoint."""
+    row = _own(session, principal, endpoint_id)
+    return list(session.exec(select(WebhookDelivery).where(WebhookDelivery.endpoint_id == row.id)
+                             .order_by(col(WebhookDelivery.created_at).desc()).limit(limit)))
+
+
+def enqueue(session: Session, job: FineTuningJob, state: JobState) -> None:
+    """In the caller's transaction: one delivery of ``state``'s event per live endpoint of the job's tenant."""
+    event = EVENTS.get(state)
+    if event is None:
+        return
+    for ep in session.exec(select(WebhookEndpoint).where(WebhookEndpoint.tenant_id == job.tenant_id,
+                                                         col(WebhookEndpoint.deleted_at).is_(None))):
+        row = WebhookDelivery(endpoint_id=ep.id, tenant_id=job.tenant_id, event_type=event, job_id=job.id,
+                              body="")
+        row.body = json.dumps({"id": "evt_" + row.id.removeprefix("msg-"), "object": "event",
+                               "created_at": int(time.time()), "type": event, "data": {"id": job.id}},
+                              separators=(",", ":"))
+        session.add(row)
+
+
+def sign(secret: str, msg_id: str, timestamp: int, body: str) -> str:
+    """The ``webhook-signature`` value: ``v1,`` and the base64 HMAC-SHA256 of ``id.timestamp.body``."""
+    key = base64.b64decode(secret.removeprefix("whsec_"))
+    mac = hmac.new(key, f"{msg_id}.{timestamp}.{body}".encode(), hashlib.sha256).digest()
+    return "v1," + base64.b64encode(mac).decode()
+
+
+def deliver_due(engine: Any, settings: Settings, limit: int = 20) -> int:
+    """POST the due deliveries (oldest first, at most ``limit``); returns how many were delivered."""
+    import httpx
+
+    done = 0
+    with Session(engine) as s:
+        due = list(s.exec(select(WebhookDelivery).where(WebhookDelivery.status == DeliveryState.PENDING,
+                                                        col(WebhookDelivery.next_at) <= utcnow())
+                          .order_by(col(WebhookDelivery.next_at)).limit(limit)))
+        for d in due:
+            ep = s.get(WebhookEndpoint, d.endpoint_id)
+            tenant = s.get(Tenant, d.tenant_id)
+            if ep is None or ep.deleted_at is not None or tenant is None:
+                d.status, d.last_error = DeliveryState.FAILED, "the endpoint was deleted"
+                s.add(d)
+                s.commit()
+                continue
+            ts = int(time.time())
+            d.attempts += 1
+            try:
+                check_url(ep.url, settings)
+                r = httpx.post(ep.url, content=d.body.encode(), timeout=settings.webhook_timeout_s,
+                               follow_redirects=False,
+                               headers={"content-type": "application/json", "webhook-id": d.id,
+                                        "webhook-timestamp": str(ts), "webhook-signature": sign(ep.secret, d.id, ts,
+                                                                                                d.body),
+                                        "user-agent": "slurm-finetune-webhooks"})
+                d.last_status, d.last_error = r.status_code, None if r.is_success else f"HTTP {r.status_code}"
+                ok = r.is_success
+            except (httpx.HTTPError, ServiceError) as e:
+                d.last_status, d.last_error, ok = None, f"{type(e).__name__}: {str(e)[:200]}", False
+            if ok:
+                d.status, d.delivered_at = DeliveryState.DELIVERED, utcnow()
+                done += 1
+            elif d.attempts >= settings.webhook_max_attempts:
+                d.status = DeliveryState.FAILED
+            else:
+                d.next_at = utcnow() + timedelta(seconds=settings.webhook_retry_base_s * 2 ** (d.attempts - 1))
+            s.add(d)
+            s.commit()
+            log.info("webhook %s (%s of %s) attempt %d: %s", d.id, d.event_type, d.job_id, d.attempts,
+                     d.status if ok else d.last_error)
+    return done
