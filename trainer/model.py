@@ -373,8 +373,9 @@ def accumulate_gradients(
 def eval_sums(
     model: Any, rows: list[Row], check: Callable[[], None] | None = None, pad: Row | None = None,
     pad_passes: int = 0,
-) -> tuple[float, int, int]:
-    """Return (summed loss, trained tokens, correct argmaxes) over packed ``rows``, without gradients.
+) -> tuple[float, int, int, float, float, int]:
+    """Return (summed loss, trained tokens, correct argmaxes, sum and sum of squares of the rows'
+    mean losses, rows) over packed ``rows``, without gradients (the last three: the eval's spread).
 
     ``check`` runs before each row (a signal may interrupt a long eval). Data
     parallel: each rank sums its share of the rows and the sums are added up.
@@ -384,6 +385,7 @@ def eval_sums(
     import torch
 
     total, tokens, correct = 0.0, 0, 0
+    s1, s2, counted = 0.0, 0.0, 0
     model.eval()
     try:
         with torch.no_grad():
@@ -395,29 +397,40 @@ def eval_sums(
                 if i >= len(rows):  # padding
                     continue
                 total, tokens, correct = total + float(loss), tokens + n, correct + int(ok)
+                if n:
+                    mean = float(loss) / n
+                    s1, s2, counted = s1 + mean, s2 + mean * mean, counted + 1
     finally:
         model.train()
-    return total, tokens, correct
+    return total, tokens, correct, s1, s2, counted
 
 
-def eval_metrics(total: float, tokens: int, correct: int, examples: int) -> dict[str, float]:
-    """Return the eval record (token-weighted loss, perplexity, token accuracy, counts) of :func:`eval_sums`."""
+def eval_metrics(total: float, tokens: int, correct: int, examples: int,
+                 spread: tuple[float, float, int] | None = None) -> dict[str, float | None]:
+    """Return the eval record (token-weighted loss, perplexity, token accuracy, counts) of :func:`eval_sums`;
+    with ``spread`` (its rows' mean-loss sum, sum of squares and count), ``loss_stderr``: the standard
+    error of the rows' mean losses (None under two rows)."""
     mean = total / max(tokens, 1)
-    return {
+    out: dict[str, float | None] = {
         "loss": mean,
         "perplexity": math.exp(min(mean, 50.0)),
         "token_accuracy": correct / max(tokens, 1),
         "tokens": tokens,
         "examples": examples,
     }
+    if spread is not None:
+        s1, s2, n = spread
+        var = (s2 - s1 * s1 / n) / (n - 1) if n > 1 else None
+        out["loss_stderr"] = math.sqrt(max(var, 0.0) / n) if var is not None else None
+    return out
 
 
 def evaluate(
     model: Any, examples: list[Example], row_tokens: int, check: Callable[[], None] | None = None
-) -> dict[str, float]:
+) -> dict[str, float | None]:
     """Token-weighted loss, perplexity and token accuracy over ``examples``, packed in rows of ``row_tokens``."""
-    sums = eval_sums(model, micro_batches(examples, row_tokens), check)
-    return eval_metrics(*sums, len(examples))
+    total, tokens, correct, s1, s2, n = eval_sums(model, micro_batches(examples, row_tokens), check)
+    return eval_metrics(total, tokens, correct, len(examples), (s1, s2, n))
 
 
 def trainable_state(model: Any) -> dict[str, torch.Tensor]:

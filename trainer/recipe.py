@@ -464,8 +464,8 @@ class Recipe:
             sums = eval_sums(self.model, mine, self.check_stop)
             for _ in range(short):
                 self.check_stop()  # as many stop agreements as the ranks with one row more
-        total, tokens, correct = self.world.sum_floats(list(sums))
-        result.update(eval_metrics(total, int(tokens), int(correct), len(self.val_examples)))
+        total, tokens, correct, s1, s2, n = self.world.sum_floats([float(x) for x in sums])
+        result.update(eval_metrics(total, int(tokens), int(correct), len(self.val_examples), (s1, s2, int(n))))
         self.progress.evals.append(result)
         self.events.emit("eval", **result)
         log.info("eval %s step %d: loss %.4f", when, result["step"], result["loss"])

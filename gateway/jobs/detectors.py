@@ -19,6 +19,8 @@ Rules (each a function of its own below):
   median tokens/s over the steps before them.
 - loss divergence: the newest loss beyond ``divergence_z`` robust standard deviations (MAD)
   of the window before it. (A non-finite loss stops the trainer itself, as a user error.)
+- eval spread: the newest eval's standard error over its rows beyond ``eval_spread_factor`` x
+  the median of the evals before it.
 """
 
 from __future__ import annotations
@@ -39,11 +41,13 @@ class Limits:
     throughput_min_history: int = 10
     divergence_z: float = 8.0
     divergence_min_history: int = 10
+    eval_spread_factor: float = 3.0
+    eval_spread_min_history: int = 2
 
 
 @dataclass(frozen=True)
 class Finding:
-    rule: str                 # stall | stall_requeue | checkpoint_lag | checkpoint_stale | throughput | divergence
+    rule: str        # stall | stall_requeue | checkpoint_lag | checkpoint_stale | throughput | divergence | eval_spread
     message: str
     requeue: bool = False
 
@@ -147,6 +151,22 @@ def divergence(steps: list[Step], limits: Limits) -> Finding | None:
     return None
 
 
+def eval_spread(progress: dict[str, Any], limits: Limits) -> Finding | None:
+    """The newest eval's standard error (over its rows) beyond eval_spread_factor x the median of the
+    ones before it (at least eval_spread_min_history of them): a few examples now dominate the loss."""
+    raw = [_num(e.get("loss_stderr")) for e in progress.get("evals") or [] if isinstance(e, dict)]
+    errs = [x for x in raw if x is not None]
+    if len(errs) < limits.eval_spread_min_history + 1:
+        return None
+    *before, last = errs
+    base = statistics.median(before)
+    if base > 0 and last > limits.eval_spread_factor * base:
+        return Finding("eval_spread", f"the newest eval's standard error is {last:.4f}, {last / base:.1f} x its "
+                                      f"median {base:.4f} over the evals before: a few validation examples "
+                                      "now dominate the loss (a collapse on some inputs, or bad rows)")
+    return None
+
+
 def check(progress: dict[str, Any], *, attempt: int, now: float, checkpoint_every: int,
           time_left_s: float | None, grace_s: float, limits: Limits,
           running_since: float | None = None) -> list[Finding]:
@@ -159,6 +179,6 @@ def check(progress: dict[str, Any], *, attempt: int, now: float, checkpoint_ever
     raw = progress.get("checkpoint_at")
     checkpoint = (float(raw[0]), int(raw[1])) if isinstance(raw, list) and len(raw) == 2 \
         and _num(raw[0]) is not None and isinstance(raw[1], int) else None
-    found = [f for f in (stall(steps, seen, now, limits), throughput(steps, limits), divergence(steps, limits))
-             if f is not None]
+    found = [f for f in (stall(steps, seen, now, limits), throughput(steps, limits), divergence(steps, limits),
+                         eval_spread(progress, limits)) if f is not None]
     return found + checkpoint_lag(steps, checkpoint, checkpoint_every, time_left_s, grace_s, now, limits)

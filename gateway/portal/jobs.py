@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import secrets
+import time
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Form, Query, Request, Response
@@ -56,7 +58,8 @@ def _form_page(request: Request, session: Session, settings: Settings, user: Por
     files = _usable_files(session, user)
     return render(request, "job_new.html", user=user, form=form, errors=errors or {}, files=files,
                   models=catalog_names(settings), status=status,
-                  estimate=_estimate(request, session, settings, user, form.training_file, form.epochs_value()),
+                  estimate=_estimate(request, session, settings, user, form.training_file, form.epochs_value(),
+                                     form.model),
                   no_backend=request.app.state.submitter is None)
 
 
@@ -73,8 +76,9 @@ def new_job(request: Request, session: SessionDep, settings: SettingsDep, user: 
 
 
 def _estimate(request: Request, session: Session, settings: Settings, user: PortalUser,
-              file_id: str, epochs: int | None) -> dict[str, Any] | None:
-    """Tokens, minutes and QOS tier the job would get (the same functions admission uses)."""
+              file_id: str, epochs: int | None, model: str = "") -> dict[str, Any] | None:
+    """Tokens, minutes and QOS tier the job would get (the same functions admission uses) and, with
+    a model, when it would start (``estimate_job``: the create API's dry run; None when it refuses)."""
     if not file_id or epochs is None:
         return None
     try:
@@ -89,15 +93,27 @@ def _estimate(request: Request, session: Session, settings: Settings, user: Port
             qos = submitter.qos_for(user.principal.tenant_name, minutes)
         except (ServiceError, KeyError):
             qos = None
+    start = reason = None
+    if submitter is not None and model and user.principal.tenant_name:
+        try:
+            dry = svc.estimate_job(session=session, settings=settings, principal=user.principal, submit=submitter,
+                                   req=svc.JobRequest(training_file=file_id, model=model,
+                                                      hyperparameters={"n_epochs": epochs}))
+            start, reason = dry.get("expected_start"), dry.get("start_detail")
+        except (ServiceError, KeyError):
+            pass
     return {"tokens": tokens, "minutes": minutes, "qos": qos, "epochs": epochs,
-            "over": tokens > settings.max_tokens_per_job or minutes > settings.max_wall_min}
+            "over": tokens > settings.max_tokens_per_job or minutes > settings.max_wall_min,
+            "start": start, "start_now": start is not None and start <= time.time() + 5, "start_reason": reason,
+            "start_at": datetime.fromtimestamp(start, UTC) if start else None}
 
 
 @router.get("/estimate")
 def estimate(request: Request, session: SessionDep, settings: SettingsDep, user: UserDep,
-             training_file: str = Query("", max_length=64), epochs: int = Query(3, ge=1, le=100)) -> Response:
-    """JSON for the form's script: tokens, minutes and QOS tier the job would get; null for an unknown file."""
-    est = _estimate(request, session, settings, user, training_file, epochs)
+             training_file: str = Query("", max_length=64), epochs: int = Query(3, ge=1, le=100),
+             model: str = Query("", max_length=255)) -> Response:
+    """JSON for the form's script: tokens, minutes, QOS tier and expected start; null for an unknown file."""
+    est = _estimate(request, session, settings, user, training_file, epochs, model)
     return JSONResponse({"estimate": est})
 
 

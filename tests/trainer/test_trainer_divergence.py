@@ -41,3 +41,16 @@ def test_a_non_finite_loss_fails_the_run_at_once_as_a_user_error(reference: Refe
     assert "diverged at step 1" in failed[0]["message"] and "lower the learning rate" in failed[0]["message"]
     assert not [e for e in evs if e["type"] == "metrics"]           # it stopped at the first bad step
     assert not (Path(spec["job_dir"]) / "attempts" / "0" / "staging" / "COMPLETE").exists()
+
+
+def test_every_eval_reports_the_standard_error_of_its_rows(reference: Reference) -> None:
+    """What the gateway's eval-spread detector reads: each eval's standard error over its rows."""
+    import math
+
+    from trainer.model import eval_metrics
+
+    evals = [e for e in events(reference.job_dir) if e["type"] == "eval"]
+    assert evals and all(isinstance(e["loss_stderr"], float) and 0 < e["loss_stderr"] < e["loss"] for e in evals)
+    # the formula: rows with mean losses 1, 2, 3 -> sample sd 1, standard error 1/sqrt(3)
+    got = eval_metrics(6.0, 3, 0, 3, (6.0, 14.0, 3))["loss_stderr"]
+    assert got == pytest.approx(1 / math.sqrt(3)) and eval_metrics(1.0, 1, 0, 1, (1.0, 1.0, 1))["loss_stderr"] is None

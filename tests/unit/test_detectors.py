@@ -112,3 +112,15 @@ def test_malformed_watch_fields_are_ignored() -> None:
                 "seen_at": "yesterday", "checkpoint_at": ["a", 1]}
     assert d.window(progress, 0) == [] and d.check(progress, attempt=0, now=1e10, checkpoint_every=1,
                                                    time_left_s=None, grace_s=90, limits=LIMITS) == []
+
+
+def test_eval_spread() -> None:
+    def evals(*errs: float | None) -> dict[str, Any]:
+        return {"evals": [{"when": "step", "step": 4 * i, "loss": 6.0, "loss_stderr": e} for i, e in enumerate(errs)]}
+
+    assert d.eval_spread(evals(0.05, 0.06), LIMITS) is None                      # too few evals before it
+    assert d.eval_spread(evals(0.05, 0.06, 0.055, 0.07), LIMITS) is None         # a normal wobble
+    found = d.eval_spread(evals(0.05, 0.06, 0.055, 0.4), LIMITS)
+    assert found is not None and found.rule == "eval_spread" and not found.requeue
+    assert d.eval_spread(evals(None, 0.05, None, 0.06, 0.4), LIMITS) is not None  # evals of older trainers skipped
+    assert d.eval_spread({"evals": ["junk", {"loss_stderr": "x"}]}, LIMITS) is None

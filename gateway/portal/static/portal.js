@@ -86,7 +86,9 @@
       const file = form.elements.training_file.value;
       const epochs = form.elements.epochs.value;
       if (!file || !(+epochs >= 1 && +epochs <= 100)) return;
-      const url = box.dataset.url + "?training_file=" + encodeURIComponent(file) + "&epochs=" + encodeURIComponent(epochs);
+      const model = form.elements.model ? form.elements.model.value : "";
+      const url = box.dataset.url + "?training_file=" + encodeURIComponent(file) + "&epochs=" + encodeURIComponent(epochs) +
+        "&model=" + encodeURIComponent(model);
       fetch(url, { headers: { Accept: "application/json" }, credentials: "same-origin" })
         .then(function (r) { return r.ok ? r.json() : null; })
         .then(function (body) {
@@ -95,10 +97,16 @@
           document.getElementById("est-time").textContent = e ? e.minutes + " min" : "–";
           document.getElementById("est-qos").textContent = e && e.qos ? e.qos : "–";
           document.getElementById("est-over").hidden = !(e && e.over);
+          document.getElementById("est-start").textContent =
+            e && e.start_now ? "now" : e && e.start ? new Date(e.start * 1000).toLocaleString() : "–";
+          const why = document.getElementById("est-why");
+          why.hidden = !(e && e.start_reason);
+          why.textContent = e && e.start_reason ? "Later because " + e.start_reason + "." : "";
         })
         .catch(function () { /* keep the last estimate */ });
     }
-    ["training_file", "epochs"].forEach(function (name) {
+    ["training_file", "epochs", "model"].forEach(function (name) {
+      if (!form.elements[name]) return;
       form.elements[name].addEventListener("input", function () { clearTimeout(timer); timer = setTimeout(refresh, 250); });
     });
   }
