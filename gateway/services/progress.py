@@ -101,7 +101,8 @@ def _one_event(s: Session, job: FineTuningJob, ev: dict[str, Any], progress: dic
         _metrics(s, job, ev, progress, changes)
     elif kind == "eval":
         progress.setdefault("evals", []).append(
-            {k: ev.get(k) for k in ("when", "step", "loss", "perplexity", "token_accuracy", "loss_stderr")})
+            {**{k: ev.get(k) for k in ("when", "step", "loss", "perplexity", "token_accuracy")},
+             **({"loss_stderr": ev["loss_stderr"]} if "loss_stderr" in ev else {})})
         add_event(s, job.id, f"Eval ({ev.get('when')}, step {_int(ev.get('step'))}): loss={_loss(ev.get('loss'))}",
                   type_="metrics", data={"step": ev.get("step"), "valid_loss": ev.get("loss"),
                                          "valid_mean_token_accuracy": ev.get("token_accuracy")})
