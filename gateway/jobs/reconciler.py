@@ -54,6 +54,9 @@ class CycleStats:
     errors: list[str] = field(default_factory=list)
 
 
+START_REFRESH_S = 30.0     # how often queued jobs' expected starts are read again
+
+
 @dataclass
 class LoopStats:
     """What the loop did since start, for /metrics: cycles, their seconds, the failed ones by cause."""
@@ -89,6 +92,7 @@ class Reconciler:
         self.detector_counts: dict[str, int] = {}     # findings raised since start, by rule
         self.stats = LoopStats()
         self._delivering = False
+        self._next_starts = 0.0
 
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
@@ -233,13 +237,14 @@ class Reconciler:
 
     def _expected_starts(self, s: Session, jobs: list[FineTuningJob], states: dict[int, JobStatus]) -> None:
         """Keep each queued job's expected start as Slurm plans it (``squeue --start``: ONE call, only when
-        some job is pending); written only when it moved by a minute or more."""
+        some job is pending, at most every START_REFRESH_S); written only when it moved by a minute or more."""
         from gateway.slurm.client import SlurmClient
 
         pending = [j for j in jobs if j.status == JobState.QUEUED.value and j.slurm_job_id
                    and states.get(j.slurm_job_id) is not None and states[j.slurm_job_id].state == SlurmState.PENDING]
-        if not pending or not isinstance(self.client, SlurmClient):
+        if not pending or not isinstance(self.client, SlurmClient) or time.monotonic() < self._next_starts:
             return
+        self._next_starts = time.monotonic() + START_REFRESH_S
         try:
             starts = self.client.pending_starts([j.slurm_job_id for j in pending if j.slurm_job_id])
         except SlurmError as e:
