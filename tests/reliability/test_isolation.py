@@ -172,8 +172,10 @@ def test_every_route_with_another_tenants_token_shows_nothing(world: dict[str, A
             continue
         url = _fill(path, world)
         kw: dict[str, Any] = {}
-        if path == "/v1/fine_tuning/jobs" and method == "POST":
+        if path in ("/v1/fine_tuning/jobs", "/v1/fine_tuning/jobs/estimate") and method == "POST":
             kw["json"] = {"model": "tiny-chat", "training_file": world["file"]}
+        elif path == "/v1/webhooks" and method == "POST":
+            kw["json"] = {"url": "https://example.org/hook"}      # a member: 403 (tenant admins register)
         elif path == "/v1/fine_tuning/sweeps" and method == "POST":
             kw["json"] = {"model": "tiny-chat", "training_file": world["file"], "validation_file": world["file"],
                           "grid": {"lora_r": [4, 8]}}
@@ -188,8 +190,8 @@ def test_every_route_with_another_tenants_token_shows_nothing(world: dict[str, A
             r = served.http.request(method, url, headers=headers, **kw)
         statuses[f"{method} {path}"] = r.status_code
         _no_leak(r, world)
-        if "{" in path or (method == "POST" and path in ("/v1/fine_tuning/jobs", "/v1/fine_tuning/sweeps",
-                                                          "/portal/jobs")):
+        if "{" in path or (method == "POST" and path in ("/v1/fine_tuning/jobs", "/v1/fine_tuning/jobs/estimate",
+                                                          "/v1/fine_tuning/sweeps", "/portal/jobs")):
             assert r.status_code in (403, 404) or (path == "/portal/jobs" and r.status_code in (200, 400, 422)), \
                 (method, path, r.status_code, r.text[:200])
         else:
