@@ -114,7 +114,7 @@ def estimate(request: Request, session: SessionDep, settings: SettingsDep, user:
              model: str = Query("", max_length=255)) -> Response:
     """JSON for the form's script: tokens, minutes, QOS tier and expected start; null for an unknown file."""
     est = _estimate(request, session, settings, user, training_file, epochs, model)
-    return JSONResponse({"estimate": est})
+    return JSONResponse({"estimate": {k: v for k, v in est.items() if k != "start_at"} if est else None})
 
 
 @router.post("")

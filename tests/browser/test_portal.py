@@ -52,6 +52,9 @@ def create_job(portal: Portal, file_id: str, *, epochs: int, expect_qos: str = "
     page.wait_for_function("document.getElementById('est-qos').textContent.trim() !== '–'")
     assert page.locator("#est-qos").inner_text() == expect_qos
     assert int(page.locator("#est-tokens").inner_text().replace(",", "").replace("\u202f", "")) > 0
+    # and says when it would start (the create API's dry run: an idle cluster starts it now)
+    page.wait_for_function("document.getElementById('est-start').textContent.trim() !== '–'")
+    assert page.locator("#est-start").inner_text() == "now"
     return page.url
 
 
