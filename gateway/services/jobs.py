@@ -127,10 +127,6 @@ INTERNAL_PROGRESS = frozenset({"failure", "node", "counted_step", "window", "see
 
 def tenant_id_of(principal: Principal) -> int:
     """The caller's tenant id; Forbidden for a principal without a tenant (staff, admins)."""
-    return _tenant_id(principal)
-
-
-def _tenant_id(principal: Principal) -> int:
     if principal.tenant_id is None:
         from gateway.errors import Forbidden
 
@@ -140,7 +136,7 @@ def _tenant_id(principal: Principal) -> int:
 
 def get_job(*, session: Session, principal: Principal, job_id: str) -> FineTuningJob:
     """The tenant's job; NotFound for a missing or foreign id alike."""
-    tid = _tenant_id(principal)
+    tid = tenant_id_of(principal)
     # scoped in SQL: a foreign row is never loaded, so "foreign" costs exactly what "missing" does
     job = session.exec(select(FineTuningJob).where(FineTuningJob.id == job_id, FineTuningJob.tenant_id == tid)
                        ).first() if len(job_id) <= 40 else None
@@ -153,7 +149,7 @@ def list_jobs(*, session: Session, principal: Principal, after: str | None, limi
               metadata: dict[str, str] | None = None) -> tuple[list[FineTuningJob], bool]:
     """The tenant's jobs, newest first, after the job ``after`` (NotFound when it is not the tenant's);
     (page, has_more). With ``metadata``, only jobs whose metadata has those values."""
-    tid = _tenant_id(principal)
+    tid = tenant_id_of(principal)
     q = select(FineTuningJob).where(FineTuningJob.tenant_id == tid)
     if after:
         anchor = session.get(FineTuningJob, after)
@@ -190,10 +186,6 @@ def list_checkpoints(*, session: Session, principal: Principal, job_id: str) -> 
 # ----------------------------------------------------------------------- create
 def usable_file(session: Session, principal: Principal, file_id: str, param: str) -> DataFile:
     """The caller's processed file ``file_id`` (NotFound naming ``param``; ServiceError if not processed)."""
-    return _usable_file(session, principal, file_id, param)
-
-
-def _usable_file(session: Session, principal: Principal, file_id: str, param: str) -> DataFile:
     try:
         row = get_file(session=session, principal=principal, file_id=file_id)
     except NotFound as e:
@@ -292,7 +284,7 @@ def create_job(*, session: Session, settings: Settings, principal: Principal, re
     body it is a 409. The row is committed before sbatch, so a crash loses nothing
     (the reconciler adopts or resubmits it).
     """
-    tid = _tenant_id(principal)
+    tid = tenant_id_of(principal)
     if req.idempotency_key:
         existing = session.exec(select(FineTuningJob).where(
             FineTuningJob.tenant_id == tid, FineTuningJob.idempotency_key == req.idempotency_key)).first()
@@ -322,11 +314,11 @@ def prepare_job(*, session: Session, settings: Settings, principal: Principal, r
     no write, and in SQLite no write lock, happens during the checks) and its spec. ``pending``:
     jobs of the same request (a sweep's) not in the database yet, counted against the tenant's
     limit of unfinished jobs."""
-    tid = _tenant_id(principal)
+    tid = tenant_id_of(principal)
     tenant_name = principal.tenant_name
     assert tenant_name is not None          # _tenant_id refused a principal without a tenant
-    train = _usable_file(session, principal, req.training_file, "training_file")
-    val = _usable_file(session, principal, req.validation_file, "validation_file") \
+    train = usable_file(session, principal, req.training_file, "training_file")
+    val = usable_file(session, principal, req.validation_file, "validation_file") \
         if req.validation_file else None
     hp = build_hyperparameters(req.hyperparameters)
     model = _checkpoint_model(session, principal, req) if req.from_checkpoint else req.model
@@ -361,7 +353,6 @@ def estimate_job(*, session: Session, settings: Settings, principal: Principal, 
     """A dry run of ``create_job``: the same checks and admission (the same errors), nothing written
     or submitted; returns what the job would take and when it would start (``Submitter.expected_start``)."""
     job, spec = prepare_job(session=session, settings=settings, principal=principal, req=req, submit=submit)
-    session.rollback()
     minutes = job.time_limit_min or 60
     out: dict[str, Any] = {"object": "fine_tuning.job.estimate", "model": job.model,
                            "estimated_tokens": job.estimated_tokens, "gpus": job.gpus, "nodes": job.nodes,
@@ -401,7 +392,7 @@ def find_checkpoint_model(*, session: Session, principal: Principal, model_id: s
                           ) -> tuple[FineTuningJob, int, DataFile]:
     """The tenant's published checkpoint ``model_id`` (``ft:…:ckpt-step-<n>``): its job, step and
     adapter file; NotFound otherwise (a foreign one included)."""
-    tid = _tenant_id(principal)
+    tid = tenant_id_of(principal)
     m = CHECKPOINT_MODEL.fullmatch(model_id)
     job = session.exec(select(FineTuningJob).where(FineTuningJob.tenant_id == tid,
                                                    FineTuningJob.fine_tuned_model == m.group(1))).first() if m else None
@@ -459,7 +450,7 @@ def _parent(session: Session, principal: Principal, model_id: str, hp: dict[str,
     ServiceError (400) when its adapter file is gone or the request asks for another LoRA shape."""
     from trainer.spec import Hyperparameters
 
-    tid = _tenant_id(principal)
+    tid = tenant_id_of(principal)
     if CHECKPOINT_MODEL.fullmatch(model_id):
         parent, _, published = find_checkpoint_model(session=session, principal=principal, model_id=model_id)
         adapters = [published]
@@ -752,7 +743,7 @@ def delete_fine_tuned_model(*, session: Session, settings: Settings, principal: 
     principal without a tenant, ServiceError (``forbidden``) for a base model, NotFound otherwise."""
     from trainer import catalog
 
-    tid = _tenant_id(principal)
+    tid = tenant_id_of(principal)
     job = session.exec(select(FineTuningJob).where(FineTuningJob.tenant_id == tid,
                                                    FineTuningJob.fine_tuned_model == model_id)).first()
     if job is None:

@@ -103,18 +103,20 @@ def staging(job_id: str, attempt: int) -> Parts:
     return (*job(job_id), "attempts", str(attempt), "staging")
 
 
-def checkpoint(job_id: str, step: int) -> Parts:
-    """A trainer checkpoint: ``jobs/<job id>/checkpoints/step-<n>`` (LayoutError unless 1 <= n <= MAX_STEP)."""
+def _step(step: object) -> int:
     if not isinstance(step, int) or isinstance(step, bool) or not 1 <= step <= MAX_STEP:
         raise LayoutError(f"invalid checkpoint step: {step!r}")
-    return (*job(job_id), "checkpoints", f"step-{step}")
+    return step
+
+
+def checkpoint(job_id: str, step: int) -> Parts:
+    """A trainer checkpoint: ``jobs/<job id>/checkpoints/step-<n>`` (LayoutError unless 1 <= n <= MAX_STEP)."""
+    return (*job(job_id), "checkpoints", f"step-{_step(step)}")
 
 
 def checkpoint_result(step: int) -> str:
     """The result name of the adapter of checkpoint ``step`` (``checkpoint-step-<n>.tar``)."""
-    if not isinstance(step, int) or isinstance(step, bool) or not 1 <= step <= MAX_STEP:
-        raise LayoutError(f"invalid checkpoint step: {step!r}")
-    return f"checkpoint-step-{step}.tar"
+    return f"checkpoint-step-{_step(step)}.tar"
 
 
 def checkpoint_step_of(name: object) -> int | None:
