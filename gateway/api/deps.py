@@ -34,6 +34,13 @@ async def get_session(request: Request) -> AsyncIterator[Session]:
         yield session
 
 
+# ``scope="function"``: the commit runs when the route returns, before the response goes out.
+# FastAPI's default ("request") exits yield dependencies after the response is sent, so a client
+# could read a 200 (or follow a 303) before its write was committed, or get a 200 for a write whose
+# commit then failed.
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
+
+
 class PrincipalCache:
     """Authenticated tokens for ``ttl_s`` seconds (keyed by the token's sha256), so a busy
     client costs no token query per request. A revocation takes effect within ``ttl_s``."""
@@ -58,7 +65,7 @@ class PrincipalCache:
             self._data[key] = (time.monotonic(), principal)
 
 
-async def get_principal(request: Request, session: Annotated[Session, Depends(get_session)]) -> Principal:
+async def get_principal(request: Request, session: SessionDep) -> Principal:
     """The caller, from ``Authorization: Bearer <token>`` (cached ``ttl_s``); Unauthorized when the
     header is missing or the token is unknown or revoked."""
     header = request.headers.get("authorization", "")
@@ -79,7 +86,6 @@ async def get_principal(request: Request, session: Annotated[Session, Depends(ge
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
-SessionDep = Annotated[Session, Depends(get_session)]
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 

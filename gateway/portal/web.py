@@ -19,7 +19,7 @@ from sqlmodel import Session
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.access.policy import OPERATOR_ROLES, Policy, admits, declares, refusal
-from gateway.api.deps import get_session, now_for
+from gateway.api.deps import SessionDep, now_for
 from gateway.api.limits import SCOPE_FLAG as BODY_TOO_LARGE
 from gateway.errors import Forbidden, ServiceError
 from gateway.portal.session import NeedLogin, PortalUser, current_user
@@ -128,7 +128,7 @@ class PortalRoute(APIRoute):
         return handler
 
 
-def get_user(request: Request, session: Annotated[Session, Depends(get_session)]) -> PortalUser:
+def get_user(request: Request, session: SessionDep) -> PortalUser:
     """The signed-in user; NeedLogin (a redirect to the sign-in page) when there is none."""
     return current_user(request, session)
 
@@ -148,7 +148,7 @@ def portal_access(policy: Policy | str) -> Any:
 
         return Depends(declares(public, policy))
 
-    def check(request: Request, user: UserDep, session: Annotated[Session, Depends(get_session)]) -> PortalUser:
+    def check(request: Request, user: UserDep, session: SessionDep) -> PortalUser:
         role = user.principal.role
         if not admits(policy, role):
             if role in OPERATOR_ROLES:
