@@ -29,6 +29,12 @@ from gateway.slurm.validate import validate_job_name, validate_unix_name
 ACTIVE_STATES = SLURM_ACTIVE    # states in which a job may still own processes on a node
 
 
+def _failed_state(state: str | None) -> bool:
+    """Whether a squeue state word says the job ended, and not as COMPLETED."""
+    word = (state or "").split(" ")[0].rstrip("+").upper()
+    return bool(word) and word not in ACTIVE_STATES and word != S.COMPLETED
+
+
 @dataclass(frozen=True)
 class JobStatus:
     """What Slurm says about one job right now.
@@ -297,17 +303,25 @@ class SlurmClient:
         return rec.parse_sacct(self._run(argv).check().stdout)
 
     def states(self, job_ids: Iterable[int]) -> dict[int, JobStatus]:
-        """Current state of every id: ONE squeue call, plus ONE sacct call for ids not in it."""
+        """Current state of every id: ONE squeue call, plus ONE sacct call for the ids not in it and the
+        ones squeue shows ended unsuccessfully (squeue keeps an ended job a while, without its exit code:
+        the failure's cause, e.g. the trainer's user error 65, is in its accounting record)."""
         ids = sorted({int(j) for j in job_ids})
         out: dict[int, JobStatus] = {}
         for q in self.queue(ids):
             if q.job_id in ids:
                 out[q.job_id] = JobStatus(q.job_id, q.state, q.pending_reason, "squeue", queue=q)
-        gone = [j for j in ids if j not in out]
-        if gone:
-            for a in self.accounting(gone):
-                if a.job_id_raw in gone:
+        ask = [j for j in ids if j not in out or _failed_state(out[j].state)]
+        if ask:
+            for a in self.accounting(ask):
+                if a.job_id_raw not in ask:
+                    continue
+                known = out.get(a.job_id_raw)
+                if known is None:
                     out[a.job_id_raw] = JobStatus(a.job_id_raw, a.state, a.reason, "sacct", acct=a)
+                elif a.exit:              # squeue's state stays; accounting adds the exit code
+                    out[a.job_id_raw] = JobStatus(known.job_id, known.state, known.reason, known.source,
+                                                  queue=known.queue, acct=a)
         for j in ids:
             out.setdefault(j, JobStatus(j, None, None, "missing"))
         return out

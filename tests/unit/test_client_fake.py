@@ -42,6 +42,20 @@ def test_states_needs_no_sacct_when_all_in_queue(fake: FakeSlurm) -> None:
     assert (fake.count("squeue"), fake.count("sacct")) == (1, 0)
 
 
+def test_a_failed_job_still_in_squeue_gets_its_exit_code_from_sacct(fake: FakeSlurm) -> None:
+    """squeue keeps an ended job a while, without its exit code: the trainer's user error (65) must not
+    read as an internal failure (the landing CI of stop 25 showed a diverged run labelled ``internal``)."""
+    client = SlurmClient(fake)
+    failed, done = client.submit(script()), client.submit(script())
+    fake.finish(failed, state="FAILED", exit="65:0")
+    fake.finish(done)
+    fake.calls.clear()
+    states = client.states([failed, done])
+    assert (fake.count("squeue"), fake.count("sacct")) == (1, 1)
+    assert states[failed].source == "squeue" and states[failed].acct is not None
+    assert states[failed].acct.exit[0] == 65 and states[done].acct is None
+
+
 def test_unknown_job_is_missing_not_failed(fake: FakeSlurm) -> None:
     status = SlurmClient(fake).states([424242])[424242]
     assert status.source == "missing" and status.active and status.state is None
