@@ -68,6 +68,9 @@ class Settings(BaseSettings):
     stall_factor: float = 20.0
     stall_min_s: float = 300.0
     stall_requeue_s: float = 300.0
+    # Fault injection, for the test suite only: every job's learning rate is 1e30 at this optimizer step
+    # (trainer.spec.JobSpec.fault_lr_blowup_at_step), so the run must stop as diverged. Never set on a site.
+    fault_lr_blowup_at_step: int | None = None
     # webhooks: receivers on loopback, link-local or private addresses only when their host is listed here
     webhook_allowed_hosts: list[str] = []
     webhook_timeout_s: float = 5.0

@@ -400,6 +400,9 @@ class Recipe:
             world.sum_gradients(self.params)
         (loss,) = world.sum_floats([loss])
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        if self.spec.fault_lr_blowup_at_step == self.progress.step + 1:   # test-only fault (JobSpec)
+            for group in self.optimizer.param_groups:
+                group["lr"] = 1e30                  # the scheduler's next step sets it back
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -153,6 +153,10 @@ class JobSpec(_Strict):
     model's, pinned by its sha256) whose LoRA weights replace the seeded init
     before the first step; its LoRA shape must be this spec's. A checkpoint of
     this job, when there is one, still wins (a resumed attempt continues itself).
+
+    ``fault_lr_blowup_at_step``: fault injection for the test suite (the gateway's
+    ``SFT_FAULT_LR_BLOWUP_AT_STEP``): that optimizer step runs at learning rate 1e30, so
+    the weights overflow and the next step's loss is not finite. Never set on a real site.
     """
 
     version: Literal[1] = 1
@@ -169,6 +173,7 @@ class JobSpec(_Strict):
     world_size: Annotated[int, Field(ge=1, le=1024)] = 1
     fsdp: bool = False
     init_adapter: DatasetRef | None = None
+    fault_lr_blowup_at_step: Annotated[int, Field(ge=1)] | None = None
 
 
 def _model_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel] | None:

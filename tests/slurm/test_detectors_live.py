@@ -60,7 +60,37 @@ def test_a_stopped_trainer_is_detected_then_requeued_and_resumes(gw: LiveGateway
 
 
 def _events(job_id: str) -> list[dict[str, object]]:
+    return _events_of(T, job_id)
+
+
+@pytest.fixture(scope="module")
+def diverging_gw(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
+    g = LiveGateway(tmp_path_factory.mktemp("nan"), (T_NAN,), SFT_FAULT_LR_BLOWUP_AT_STEP="3")
+    yield g
+    g.stop()
+
+
+T_NAN = "t-nan"
+
+
+def test_a_job_whose_loss_goes_nan_fails_fast_with_a_clear_error(diverging_gw: LiveGateway, tmp_path: Path) -> None:
+    """The test-only learning-rate blow-up at step 3: step 4's loss is not finite, and the job fails
+    there as the tenant's error (not a node fault, not requeued)."""
+    gw = diverging_gw
+    fid = gw.upload(T_NAN, chat_file(tmp_path / "nan.jsonl", 200, seed=72))
+    job = gw.create(T_NAN, fid, FAST_HP)
+    done = gw.wait(T_NAN, job["id"], terminal, 300)
+    print(f"\n{done['status']}: {done['error']}")
+    assert done["status"] == "failed" and done["attempt"] == 0, done
+    assert done["error"]["code"] == "user_error", done["error"]      # exit 65, read from sacct
+    assert "training diverged at step 4" in done["error"]["message"], done["error"]
+    assert "lower the learning rate" in done["error"]["message"] and "Traceback" not in done["error"]["message"]
+    steps = [e["step"] for e in _events_of(T_NAN, job["id"]) if e.get("type") == "metrics"]
+    assert steps == [1, 2, 3] and not done["result_files"], steps
+
+
+def _events_of(tenant: str, job_id: str) -> list[dict[str, object]]:
     import json
 
-    path = STORAGE / "tenants" / T / "jobs" / job_id / "events.jsonl"
+    path = STORAGE / "tenants" / tenant / "jobs" / job_id / "events.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

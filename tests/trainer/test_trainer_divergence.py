@@ -54,3 +54,17 @@ def test_every_eval_reports_the_standard_error_of_its_rows(reference: Reference)
     # the formula: rows with mean losses 1, 2, 3 -> sample sd 1, standard error 1/sqrt(3)
     got = eval_metrics(6.0, 3, 0, 3, (6.0, 14.0, 3))["loss_stderr"]
     assert got == pytest.approx(1 / math.sqrt(3)) and eval_metrics(1.0, 1, 0, 1, (1.0, 1.0, 1))["loss_stderr"] is None
+
+
+def test_the_test_only_learning_rate_blow_up_makes_the_next_step_diverge(tiny: Tiny, toy: ToyData,
+                                                                          tmp_path: Path) -> None:
+    """The fault the live test injects through the gateway (``SFT_FAULT_LR_BLOWUP_AT_STEP``): step 2 runs
+    at learning rate 1e30; steps 1 and 2 report finite losses, step 3 fails the run."""
+    spec = make_spec(tiny, toy, tmp_path / "job", epochs=1)
+    spec["fault_lr_blowup_at_step"] = 2
+    code = run_trainer(write_spec(spec, tmp_path / "spec.json"), tmp_path / "log")
+    evs = events(Path(spec["job_dir"]))
+    assert code == exitcodes.USER_ERROR, (tmp_path / "log").read_text()[-2000:]
+    assert [e["step"] for e in evs if e["type"] == "metrics"] == [1, 2]
+    (failed,) = [e for e in evs if e["type"] == "failed"]
+    assert failed["error"] == "DivergedError" and "diverged at step 3" in failed["message"], failed
