@@ -68,6 +68,9 @@ class Settings(BaseSettings):
     stall_factor: float = 20.0
     stall_min_s: float = 300.0
     stall_requeue_s: float = 300.0
+    # One reconciler at a time across the gateways sharing the database (gateway.jobs.leader): the
+    # leader renews its lease every cycle; a standby takes over at most ~4/3 x this after the leader dies
+    reconciler_lease_s: float = 15.0
     # Fault injection, for the test suite only: every job's learning rate is 1e30 at this optimizer step
     # (trainer.spec.JobSpec.fault_lr_blowup_at_step), so the run must stop as diverged. Never set on a site.
     fault_lr_blowup_at_step: int | None = None

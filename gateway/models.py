@@ -328,3 +328,16 @@ class ModelAlias(SQLModel, table=True):
     fine_tuned_model: str = Field(max_length=255)
     promoted_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     promoted_by: int | None = None            # the token id
+
+
+class LeaderLease(SQLModel, table=True):
+    """Who runs a singleton loop (the reconciler) across every gateway sharing this database, until when
+    (the database's clock, unix seconds), and the fencing epoch bumped by every takeover
+    (gateway.jobs.leader)."""
+
+    __tablename__ = "leader_leases"
+
+    name: str = Field(primary_key=True, max_length=40)
+    holder: str = Field(default="", max_length=200)
+    epoch: int = 0
+    expires_at: float = 0.0

@@ -66,6 +66,10 @@ class StateCollector(Collector):
         yield CounterMetricFamily("sft_reconcile_seconds", "Seconds spent in reconcile cycles", value=stats.seconds)
         yield GaugeMetricFamily("sft_reconcile_last_cycle_seconds", "The last reconcile cycle's seconds",
                                 value=stats.last_seconds)
+        yield GaugeMetricFamily("sft_reconciler_leader", "1 while this process holds the reconciler lease",
+                                value=1.0 if rec.lease.held else 0.0)
+        yield CounterMetricFamily("sft_reconciler_lease_takeovers", "Times this process took the reconciler lease",
+                                  value=rec.lease.takeovers)
         found = CounterMetricFamily("sft_detector_findings", "Detector findings raised, by rule", labels=["rule"])
         for rule, n in sorted(dict(rec.detector_counts).items()):
             found.add_metric([rule], n)

@@ -24,6 +24,7 @@ from sqlmodel import Session, col, select
 from gateway.config import Settings
 from gateway.errors import ServiceError, SlurmError
 from gateway.jobs import detectors
+from gateway.jobs.leader import Lease, LeaseLost
 from gateway.jobs.scheduler import Scheduler
 from gateway.jobs.state import Action, Cleanup, Event, FailReason, JobState, SlurmState, decide, from_slurm
 from gateway.models import FineTuningJob, Tenant, utcnow
@@ -67,7 +68,7 @@ class LoopStats:
     failed: dict[str, int] = field(default_factory=dict)
 
     def observe(self, seconds: float, failed: str | None = None) -> None:
-        """Count one cycle of ``seconds`` (``failed``: why it failed, "slurm" or "internal")."""
+        """Count one cycle of ``seconds`` (``failed``: why it failed, "slurm", "lease" or "internal")."""
         self.cycles += 1
         self.seconds += seconds
         self.last_seconds = seconds
@@ -93,28 +94,51 @@ class Reconciler:
         self.stats = LoopStats()
         self._delivering = False
         self._next_starts = 0.0
+        self.lease = Lease(engine, "reconciler", ttl_s=settings.reconciler_lease_s)
+        self.fence: Lease | None = None       # set by ``run``: every cycle's writes are fenced by the lease
 
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
-        """Run ``cycle`` every ``reconcile_interval_s`` until ``stop`` is set; a failing cycle is logged and
-        retried with a doubling delay (at most ``reconcile_max_backoff_s``)."""
+        """While ``stop`` is not set: hold the reconciler lease (gateway.jobs.leader) and run ``cycle`` every
+        ``reconcile_interval_s``, or stand by while another gateway holds it. A failing cycle is logged and
+        retried with a doubling delay (at most ``reconcile_max_backoff_s``). The lease is released on stop."""
         delay = self.settings.reconcile_interval_s
-        while not self.stop.is_set():
-            t0 = time.perf_counter()
+        self.fence = self.lease
+        try:
+            while not self.stop.is_set():
+                try:
+                    leader = self.lease.hold()
+                except Exception as e:         # the database is unreachable: no leader can write either
+                    log.warning("reconciler lease unreadable (%s); retrying", e)
+                    leader = False
+                if not leader:
+                    self.stop.wait(min(self.settings.reconcile_interval_s, self.lease.ttl_s / 3))
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    self.cycle()
+                    delay = self.settings.reconcile_interval_s
+                    self.stats.observe(time.perf_counter() - t0)
+                except LeaseLost as e:
+                    log.warning("%s: this gateway stands by", e)
+                    self.stats.observe(time.perf_counter() - t0, failed="lease")
+                    delay = self.settings.reconcile_interval_s
+                except SlurmError as e:
+                    delay = min(self.settings.reconcile_max_backoff_s, max(delay * 2, 1.0))
+                    self.stats.observe(time.perf_counter() - t0, failed="slurm")
+                    log.warning("Slurm query failed (%s); no job changed; retrying in %.0fs", e, delay)
+                except Exception:
+                    delay = min(self.settings.reconcile_max_backoff_s, max(delay * 2, 1.0))
+                    self.stats.observe(time.perf_counter() - t0, failed="internal")
+                    log.exception("reconcile cycle failed; retrying in %.0fs", delay)
+                if self.lease.held:
+                    self.start_deliveries()
+                self.stop.wait(delay)
+        finally:
             try:
-                self.cycle()
-                delay = self.settings.reconcile_interval_s
-                self.stats.observe(time.perf_counter() - t0)
-            except SlurmError as e:
-                delay = min(self.settings.reconcile_max_backoff_s, max(delay * 2, 1.0))
-                self.stats.observe(time.perf_counter() - t0, failed="slurm")
-                log.warning("Slurm query failed (%s); no job changed; retrying in %.0fs", e, delay)
-            except Exception:
-                delay = min(self.settings.reconcile_max_backoff_s, max(delay * 2, 1.0))
-                self.stats.observe(time.perf_counter() - t0, failed="internal")
-                log.exception("reconcile cycle failed; retrying in %.0fs", delay)
-            self.start_deliveries()
-            self.stop.wait(delay)
+                self.lease.release()
+            except Exception as e:
+                log.warning("could not release the reconciler lease (%s): a peer takes over when it expires", e)
 
     def start_deliveries(self) -> None:
         """POST the due webhook deliveries (``services.webhooks.deliver_due``) in a thread, one at a time:
@@ -139,6 +163,8 @@ class Reconciler:
         """One pass over every active job. Raises SlurmError (nothing changed) if Slurm fails."""
         stats = CycleStats()
         with Session(self.engine, expire_on_commit=False) as s:
+            if self.fence is not None:
+                self.fence.guard(s)
             jobs = list(s.exec(select(FineTuningJob).where(
                 col(FineTuningJob.status).in_([w.value for w in WATCHED]),
                 col(FineTuningJob.slurm_job_id).is_not(None))))
@@ -160,6 +186,9 @@ class Reconciler:
                         s.commit()
                     except StaleJob:
                         s.rollback()       # someone else changed it: next cycle decides
+                    except LeaseLost:
+                        s.rollback()       # another gateway leads now: stop this cycle
+                        raise
                     except Exception as e:
                         s.rollback()
                         log.exception("job %s: reconcile step failed", job.id)
@@ -211,6 +240,8 @@ class Reconciler:
             if j.sweep_id is None or j.created_at < sweep_cutoff]
         if not lost:
             return
+        if self.fence is not None:
+            self.fence.check()     # sbatch follows: only the leader may submit again
         found = self.client.find_by_name([j.id for j in lost])
         self._drop_unnamed_tasks(sorted({j.sweep_id for j in lost if j.sweep_id}))
         tenants = {t.id: t for t in s.exec(select(Tenant))}
@@ -356,6 +387,8 @@ class Reconciler:
 
     def _publish(self, s: Session, job: FineTuningJob, tenant: Tenant) -> None:
         # one name for the race test (tests/service/test_publication_race.py) to drive publication by
+        if self.fence is not None:
+            self.fence.check()     # the broker publishes next: only the leader may
         publish_attempt(session=s, settings=self.settings, storage=self.storage, job=job, tenant_name=tenant.name)
 
     def start_cancel(self, slurm_id: int | None) -> None:
