@@ -279,7 +279,7 @@ def load_spec(path: str | Path) -> JobSpec:
 
 
 _ADDED_HYPERPARAMETERS = ("warmup_ratio", "early_stopping_patience", "early_stopping_min_delta", "torch_compile")
-_ADDED_FIELDS = ("device", "world_size", "fsdp", "init_adapter")
+_ADDED_FIELDS = ("device", "world_size", "fsdp", "init_adapter", "fault_lr_blowup_at_step")
 """Fields added after version 1 shipped: left out of the canonical JSON while at their default,
 so a spec that does not use them keeps its hash (and an in-flight job its checkpoints) across
 an upgrade."""

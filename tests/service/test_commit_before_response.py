@@ -5,6 +5,7 @@ sent; the hostile tier's landing CI caught an upload whose 200 came before its r
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import httpx
@@ -47,7 +48,11 @@ def _asgi(app: Any, method: str, path: str, headers: dict[str, str], body: bytes
                  "state": {}}
         await app(scope, receive, send)
 
-    asyncio.run(run())
+    # a thread of its own: under the full suite this thread may already run an event loop
+    worker = threading.Thread(target=lambda: asyncio.run(run()))
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive(), "the app did not answer"
     return sent
 
 
