@@ -21,8 +21,10 @@ from sqlmodel import Session, col, create_engine, select
 
 from gateway.models import FineTuningJob, JobEvent
 
-engine = create_engine(os.environ["FLOOR_DB_URL"], **({"connect_args": {"check_same_thread": False}}
-                                                      if os.environ["FLOOR_DB_URL"].startswith("sqlite") else {}))
+# the same pool as the gateway's (gateway.db.make_engine): one connection per concurrent request, reused
+_URL = os.environ["FLOOR_DB_URL"].replace("postgresql://", "postgresql+psycopg://", 1)
+engine = create_engine(_URL, pool_size=40, max_overflow=8,
+                       **({"connect_args": {"check_same_thread": False}} if _URL.startswith("sqlite") else {}))
 TOKENS: dict[str, int] = json.loads(os.environ["FLOOR_TOKENS"])
 app = FastAPI()
 
@@ -47,6 +49,11 @@ TenantDep = Annotated[int, Depends(tenant)]
 
 def _job(row: FineTuningJob) -> dict[str, Any]:
     return row.model_dump(mode="json")
+
+
+@app.get("/healthz")
+def healthz() -> dict[str, str]:
+    return {"status": "ok"}
 
 
 @app.get("/v1/fine_tuning/jobs")

@@ -606,6 +606,10 @@ def report(a: dict[str, Any], b: dict[str, Any] | None) -> None:
                   f"{o['cpu_ms']:>6.3f}m | {f['rate']:>11,.0f} {f['p50_ms']:>6.2f} {f['p99_ms']:>6.2f} "
                   f"{f['cpu_ms']:>6.3f}m | x{o['rate'] / f['rate']:>4.2f} x{o['cpu_ms'] / f['cpu_ms']:>4.2f}"
                   f"{extra}{err}")
+        for db, w in sorted({(d, ww) for d, ww, _ in a["runs"]}):
+            each = {srv: ", ".join(f"{r.rate:,.0f}" for d, ww, r in a["runs"]
+                                   if (d, ww, r.op, r.server) == (db, w, "mix", srv)) for srv in ("ours", "floor")}
+            print(f"  {db} {w} worker(s), mix ops/s of each repeat: ours {each['ours']}; floor {each['floor']}")
         mixes = [(w, _pick(a, "sqlite", w, "mix", "ours"), _pick(a, "sqlite", w, "mix", "floor"))
                  for w in sorted({w for d, w, r in a["runs"] if d == "sqlite"})]
         if mixes:

@@ -20,13 +20,19 @@ from sqlmodel import Session
 MIGRATIONS = Path(__file__).parent / "migrations"
 
 
+SQLITE_POOL = 40
+
+
 def make_engine(url: str) -> Engine:
     """An engine for ``url``; SQLite gets WAL, foreign keys and a busy timeout."""
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
             _private_db_file(Path(path))
-        engine = sa.create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        # A pool as large as the requests one process serves at once (anyio's 40 worker threads): a
+        # connection opened past the pool is closed on return, and opening one costs its PRAGMAs.
+        engine = sa.create_engine(url, connect_args={"check_same_thread": False, "timeout": 30},
+                                  pool_size=SQLITE_POOL, max_overflow=8)
 
         @sa.event.listens_for(engine, "connect")
         def _pragmas(dbapi_conn: Any, _: Any) -> None:
@@ -39,7 +45,7 @@ def make_engine(url: str) -> Engine:
         return engine
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
-    return sa.create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    return sa.create_engine(url, pool_pre_ping=True, pool_size=20, max_overflow=10)
 
 
 def _private_db_file(path: Path) -> None:

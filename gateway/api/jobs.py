@@ -60,8 +60,9 @@ def _ts(dt: Any) -> int | None:
     return int(dt.timestamp()) if dt else None
 
 
-def job_object(job: FineTuningJob, tenant: str) -> dict[str, Any]:
-    """OpenAI's fine_tuning.job plus ours: slurm_job_id, attempt, phase, cleanup, progress."""
+def job_object(job: FineTuningJob | Any, tenant: str) -> dict[str, Any]:
+    """OpenAI's fine_tuning.job plus ours: slurm_job_id, attempt, phase, cleanup, progress (``job``: the
+    model, or a row of ``svc.JOB_VIEW``)."""
     hp = dict(job.hyperparameters or {})
     epochs = hp.get("epochs", svc.DEFAULT_EPOCHS)
     lr = hp.get("learning_rate")
@@ -91,8 +92,9 @@ def job_object(job: FineTuningJob, tenant: str) -> dict[str, Any]:
     }
 
 
-def event_object(ev: JobEvent) -> dict[str, Any]:
-    """OpenAI's ``fine_tuning.job.event`` object (id ``ftevent-<n>``)."""
+def event_object(ev: JobEvent | Any) -> dict[str, Any]:
+    """OpenAI's ``fine_tuning.job.event`` object (id ``ftevent-<n>``; ``ev``: the model, or a row of
+    ``svc.EVENT_VIEW``)."""
     return {"object": "fine_tuning.job.event", "id": f"ftevent-{ev.id}", "created_at": _ts(ev.created_at),
             "level": ev.level, "message": ev.message, "data": ev.data or {}, "type": ev.type}
 
@@ -147,19 +149,21 @@ def estimate_job(body: CreateJob, request: Request, session: SessionDep, setting
                             submit=submitter)
 
 
+# The three hot reads are ``async def``: they run on the event loop, without a thread-pool hop (and its
+# GIL hand-offs), since each is one or two indexed queries of a few rows (svc.read_*: Core rows, no ORM).
 @router.get("")
-def list_jobs(session: SessionDep, principal: PrincipalDep, after: str | None = Query(None, pattern=JOB_ID),
-              limit: int = Query(20, ge=1, le=100)) -> FastJSON:
+async def list_jobs(session: SessionDep, principal: PrincipalDep, after: str | None = Query(None, pattern=JOB_ID),
+                    limit: int = Query(20, ge=1, le=100)) -> FastJSON:
     """List this tenant's fine-tuning jobs, newest first (OpenAI's cursor pagination: ``after`` a job id)."""
-    rows, more = svc.list_jobs(session=session, principal=principal, after=after, limit=limit)
+    rows, more = svc.read_jobs(session=session, principal=principal, after=after, limit=limit)
     assert principal.tenant_name is not None
     return FastJSON({"object": "list", "data": [job_object(j, principal.tenant_name) for j in rows], "has_more": more})
 
 
 @router.get("/{job_id}")
-def retrieve_job(job_id: str, session: SessionDep, principal: PrincipalDep) -> FastJSON:
+async def retrieve_job(job_id: str, session: SessionDep, principal: PrincipalDep) -> FastJSON:
     """One of this tenant's fine-tuning jobs; 404 for an unknown id."""
-    job = svc.get_job(session=session, principal=principal, job_id=job_id)
+    job = svc.read_job(session=session, principal=principal, job_id=job_id)
     assert principal.tenant_name is not None
     return FastJSON(job_object(job, principal.tenant_name))
 
@@ -194,12 +198,12 @@ def resume_job(job_id: str, request: Request, session: SessionDep, settings: Set
 
 
 @router.get("/{job_id}/events")
-def list_events(job_id: str, session: SessionDep, principal: PrincipalDep,
-                after: str | None = Query(None, pattern=r"^ftevent-\d{1,18}$"),
-                limit: int = Query(20, ge=1, le=1000)) -> FastJSON:
+async def list_events(job_id: str, session: SessionDep, principal: PrincipalDep,
+                      after: str | None = Query(None, pattern=r"^ftevent-\d{1,18}$"),
+                      limit: int = Query(20, ge=1, le=1000)) -> FastJSON:
     """A job's events, newest first; ``after`` (an event id) pages on to older ones."""
     cursor = int(after.removeprefix("ftevent-")) if after else None
-    rows, more = svc.list_events(session=session, principal=principal, job_id=job_id, after=cursor, limit=limit)
+    rows, more = svc.read_events(session=session, principal=principal, job_id=job_id, after=cursor, limit=limit)
     return FastJSON({"object": "list", "data": [event_object(e) for e in rows], "has_more": more})
 
 

@@ -165,6 +165,63 @@ def list_jobs(*, session: Session, principal: Principal, after: str | None, limi
     return rows[:limit], len(rows) > limit
 
 
+# ---------------------------------------------------------------- fast reads
+# The API's hot reads (retrieve, list, events) take Core rows of just the columns a job or event object
+# shows, on the session's connection: no ORM object, identity map or unit of work per row, and no
+# decoding of columns nobody returns (``lineage``, the spec's request hash). ``job_object`` and
+# ``event_object`` read a row exactly as they read the model (same attribute names, the same column
+# types decode them); tests/service/test_read_paths.py holds the bytes equal to the ORM path's.
+_J = FineTuningJob.__table__.c  # type: ignore[attr-defined]
+JOB_VIEW = (_J.id, _J.tenant_id, _J.model, _J.parent_model, _J.created_at, _J.finished_at, _J.fine_tuned_model,
+            _J.result_files, _J.status, _J.validation_file, _J.training_file, _J.hyperparameters, _J.trained_tokens,
+            _J.error, _J.suffix, _J.seed, _J.estimated_finish, _J.expected_start, _J.meta, _J.slurm_job_id,
+            _J.attempt, _J.phase, _J.qos, _J.gpus, _J.nodes, _J.fsdp, _J.cleanup, _J.stop_confirmed_at, _J.progress)
+_E = JobEvent.__table__.c  # type: ignore[attr-defined]
+EVENT_VIEW = (_E.id, _E.created_at, _E.level, _E.message, _E.data, _E.type)
+
+
+def read_job(*, session: Session, principal: Principal, job_id: str) -> Any:
+    """The tenant's job as a row of JOB_VIEW; NotFound for a missing or foreign id alike (scoped in SQL)."""
+    tid = tenant_id_of(principal)
+    row = session.connection().execute(sa.select(*JOB_VIEW).where(_J.id == job_id, _J.tenant_id == tid)).first() \
+        if len(job_id) <= 40 else None
+    if row is None:
+        raise NotFound(f"no such fine-tuning job: {job_id}", param="fine_tuning_job_id")
+    return row
+
+
+def read_jobs(*, session: Session, principal: Principal, after: str | None,
+              limit: int) -> tuple[list[Any], bool]:
+    """``list_jobs`` as JOB_VIEW rows: the tenant's jobs, newest first, after the job ``after`` (NotFound
+    when it is not the tenant's); (page, has_more)."""
+    tid = tenant_id_of(principal)
+    conn = session.connection()
+    q = sa.select(*JOB_VIEW).where(_J.tenant_id == tid)
+    if after:
+        anchor = conn.execute(sa.select(_J.created_at, _J.id).where(_J.id == after, _J.tenant_id == tid)).first() \
+            if len(after) <= 40 else None
+        if anchor is None:
+            raise NotFound(f"no such fine-tuning job: {after}", param="after")
+        q = q.where(sa.or_(_J.created_at < anchor.created_at,
+                           sa.and_(_J.created_at == anchor.created_at, _J.id < anchor.id)))
+    rows = list(conn.execute(q.order_by(_J.created_at.desc(), _J.id.desc()).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
+
+
+def read_events(*, session: Session, principal: Principal, job_id: str, after: int | None,
+                limit: int) -> tuple[list[Any], bool]:
+    """``list_events`` as EVENT_VIEW rows, newest first; NotFound unless the job is the tenant's."""
+    tid = tenant_id_of(principal)
+    conn = session.connection()
+    if len(job_id) > 40 or conn.execute(sa.select(_J.id).where(_J.id == job_id, _J.tenant_id == tid)).first() is None:
+        raise NotFound(f"no such fine-tuning job: {job_id}", param="fine_tuning_job_id")
+    q = sa.select(*EVENT_VIEW).where(_E.job_id == job_id)
+    if after is not None:
+        q = q.where(_E.id < after)
+    rows = list(conn.execute(q.order_by(_E.id.desc()).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
+
+
 def list_events(*, session: Session, principal: Principal, job_id: str, after: int | None,
                 limit: int) -> tuple[list[JobEvent], bool]:
     """Newest first, like OpenAI's list_events."""
