@@ -6,6 +6,7 @@ The schema is created and upgraded only by Alembic migrations
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from collections.abc import Iterator
@@ -13,14 +14,25 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 MIGRATIONS = Path(__file__).parent / "migrations"
+_decode = msgspec.json.decode
 
 
 SQLITE_POOL = 40
+
+
+def json_loads(text: str | bytes) -> Any:
+    """JSON columns' decoder: msgspec (several times json.loads' speed on the API's hot reads), and
+    json.loads for what msgspec refuses but json.loads reads (NaN, lone surrogates, huge integers)."""
+    try:
+        return _decode(text)
+    except msgspec.DecodeError:
+        return json.loads(text)
 
 
 def make_engine(url: str) -> Engine:
@@ -32,7 +44,7 @@ def make_engine(url: str) -> Engine:
         # A pool as large as the requests one process serves at once (anyio's 40 worker threads): a
         # connection opened past the pool is closed on return, and opening one costs its PRAGMAs.
         engine = sa.create_engine(url, connect_args={"check_same_thread": False, "timeout": 30},
-                                  pool_size=SQLITE_POOL, max_overflow=8)
+                                  pool_size=SQLITE_POOL, max_overflow=8, json_deserializer=json_loads)
 
         @sa.event.listens_for(engine, "connect")
         def _pragmas(dbapi_conn: Any, _: Any) -> None:
@@ -45,7 +57,7 @@ def make_engine(url: str) -> Engine:
         return engine
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
-    return sa.create_engine(url, pool_pre_ping=True, pool_size=20, max_overflow=10)
+    return sa.create_engine(url, pool_pre_ping=True, pool_size=20, max_overflow=10, json_deserializer=json_loads)
 
 
 def _private_db_file(path: Path) -> None:

@@ -120,7 +120,9 @@ class FineTuningJob(SQLModel, table=True):
     applies gateway.jobs.state.transition under an optimistic ``version`` check."""
 
     __tablename__ = "fine_tuning_jobs"
-    __table_args__ = (sa.UniqueConstraint("tenant_id", "idempotency_key", name="uq_job_idempotency"),)
+    __table_args__ = (sa.UniqueConstraint("tenant_id", "idempotency_key", name="uq_job_idempotency"),
+                      # a tenant's list, newest first, straight from the index (migration 0014)
+                      sa.Index("ix_fine_tuning_jobs_tenant_created", "tenant_id", "created_at", "id"))
 
     id: str = Field(default_factory=lambda: new_id("ftjob"), primary_key=True, max_length=40)
     tenant_id: int = Field(foreign_key="tenants.id", index=True)
