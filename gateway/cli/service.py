@@ -166,7 +166,15 @@ def reconcile(once: bool) -> None:
     if rec is None:
         sys.exit(1)
     if once:
-        stats = rec.cycle()
+        if not rec.lease.hold():
+            click.echo("another gateway holds the reconciler lease (gateway.jobs.leader): it reconciles; "
+                       "nothing done", err=True)
+            sys.exit(1)
+        rec.fence = rec.lease
+        try:
+            stats = rec.cycle()
+        finally:
+            rec.lease.release()
         click.echo(f"{stats.jobs} active jobs, {stats.slurm_calls} Slurm queries, {stats.changed} changed, "
                    f"{stats.published} published" + (f", errors: {stats.errors}" if stats.errors else ""))
         return

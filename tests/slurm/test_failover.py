@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,6 +56,9 @@ def test_killing_the_leader_hands_the_jobs_to_the_other_gateway(pair: tuple[Live
         assert time.monotonic() < deadline, "no gateway took the reconciler lease"
         time.sleep(0.2)
     leader_pid, epoch = _holder(first)
+    once = subprocess.run([sys.executable, "-m", "gateway", "reconcile", "--once"], cwd="/", env=first.env,
+                          capture_output=True, text=True, timeout=120)
+    assert once.returncode == 1 and "holds the reconciler lease" in once.stderr, once.stderr   # a third stands by
     leader = by_pid[leader_pid]
     survivor = second if leader is first else first
     fid = survivor.upload(T, chat_file(tmp_path / "f.jsonl", 1500, seed=81))
