@@ -93,10 +93,17 @@ class Lease:
             log.warning("took the %s lease (epoch %d) as %s", self.name, self.epoch, self.holder)
             return True
 
-    def check(self) -> None:
-        """Renew now; LeaseLost when another process holds the lease."""
-        if not self.hold() or self.epoch is None:
-            raise LeaseLost(f"the {self.name} lease is held by another gateway")
+    def check(self, session: Session | None = None) -> None:
+        """Renew now; LeaseLost when another process holds the lease. With ``session``, the renewal is a
+        statement of that session's transaction (it may already hold SQLite's one write lock: a
+        connection of its own would wait on it), and commits or rolls back with it."""
+        if session is None:
+            if not self.hold() or self.epoch is None:
+                raise LeaseLost(f"the {self.name} lease is held by another gateway")
+            return
+        if self.epoch is None or session.connection().execute(self._renew, self._params()).rowcount != 1:
+            self.epoch = None
+            raise LeaseLost(f"the {self.name} lease was taken by another gateway")
 
     def release(self) -> None:
         """Give the lease up at once (a clean stop); nothing when this process does not hold it."""

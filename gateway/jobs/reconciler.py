@@ -241,7 +241,7 @@ class Reconciler:
         if not lost:
             return
         if self.fence is not None:
-            self.fence.check()     # sbatch follows: only the leader may submit again
+            self.fence.check(s)    # sbatch follows: only the leader may submit again
         found = self.client.find_by_name([j.id for j in lost])
         self._drop_unnamed_tasks(sorted({j.sweep_id for j in lost if j.sweep_id}))
         tenants = {t.id: t for t in s.exec(select(Tenant))}
@@ -388,7 +388,7 @@ class Reconciler:
     def _publish(self, s: Session, job: FineTuningJob, tenant: Tenant) -> None:
         # one name for the race test (tests/service/test_publication_race.py) to drive publication by
         if self.fence is not None:
-            self.fence.check()     # the broker publishes next: only the leader may
+            self.fence.check(s)    # the broker publishes next: only the leader may
         publish_attempt(session=s, settings=self.settings, storage=self.storage, job=job, tenant_name=tenant.name)
 
     def start_cancel(self, slurm_id: int | None) -> None:

@@ -106,3 +106,23 @@ def test_release_hands_over_at_once_and_check_raises_for_a_standby(engines: list
         b.check()
     a.release()
     assert b.hold() and not a.hold()
+
+
+def test_a_check_inside_a_writing_transaction_does_not_wait_on_itself(engines: list[Engine]) -> None:
+    """The reconciler checks the lease before a publication, inside the cycle's transaction that may hold
+    SQLite's write lock already: the renewal runs in that transaction (a connection of its own would wait
+    30 s for the lock and fail: the stall test caught it)."""
+    a, b = Lease(engines[0], ttl_s=30, holder="a"), Lease(engines[1], ttl_s=30, holder="b")
+    assert a.hold()
+    with Session(engines[0]) as s:
+        a.guard(s)
+        s.add(Tenant(name="before-publication", unix_user="sft-a"))
+        s.flush()                              # this transaction now holds the write lock (SQLite)
+        t0 = time.monotonic()
+        a.check(s)
+        assert time.monotonic() - t0 < 2
+        s.commit()
+    a.epoch = (a.epoch or 0) + 5               # as if another process had taken it meanwhile
+    with Session(engines[0]) as s, pytest.raises(LeaseLost):
+        a.check(s)
+    assert not a.held and not b.hold()         # b still sees a live lease: a's row was renewed, not released
