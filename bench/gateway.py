@@ -1,25 +1,28 @@
-"""Gateway benchmarks on the real dev cluster (root; `finetune dev-cluster up` first).
+"""Gateway benchmarks on the real dev cluster (root; `finetune dev-cluster up` first; wrk installed).
 
-(a) Metadata API throughput and latency: concurrent clients (processes x threads, one
-    keep-alive httpx.Client each) on loopback against `python -m gateway serve`, a mix
-    of list / retrieve / events, plus creates. Goal: >= 1,400 ops/s with p99 <= 50 ms on
-    SQLite. Peer, side by side: the same workload with the gateway on PostgreSQL (a
-    throwaway server started as in tests/service/conftest.py). Creates submit to Slurm
-    for real (sbatch as the tenant): so as not to flood the cluster with training jobs,
-    one creator thread creates at a low fixed rate (--create-rate, default 2/s) and
-    cancels each job right after its create returns; the readers hit jobs made that way
-    before the clock starts. Creates are reported apart and also counted in the mix.
+(a) Metadata API throughput and latency, our gateway vs its peer in the same run: `wrk` (one thread,
+    16 keep-alive connections, a Lua script per operation) on loopback drives `finetune serve
+    --workers N` and the peer, bench/floor_app.py (a bare FastAPI + SQLModel app serving the same
+    rows: the FastAPI/SQLModel tutorial way, sync routes and a Session per request, token from an
+    in-memory dict, under `uvicorn --workers N` with uvloop and httptools). Both read 200 finished
+    jobs with 30 events each, written to the database first; operations: retrieve a job, list 20
+    jobs, list 20 events, and the mix 40/30/30. SQLite and PostgreSQL (a throwaway server), 1 and 2
+    workers; a 3 s warm-up run per server is dropped; --repeats alternating runs (ours, floor, then
+    floor, ours), medians. Server CPU per operation is the CPU of the server's process tree (and,
+    on PostgreSQL, of the database server's processes, printed apart) over the requests wrk made.
+    Goal: >= 1,400 mixed ops/s with p99 <= 50 ms on SQLite with 2 workers, at most 1.2 x the
+    floor's CPU per operation.
 (b) Slurm commands per reconcile cycle: 300 real held Slurm jobs (`sbatch --hold`, as
     three bench tenants, through SlurmClient.submit), 300 matching job rows, then
     ``Reconciler.cycle`` with a LocalRunner that logs every command; at 10, 100 and 300
     active jobs. Goal: constant, <= 2. Peer: asking Slurm per job (one squeue each).
     Every held job is scancelled at the end.
-(c) Create-to-sbatch latency: POST /v1/fine_tuning/jobs on an idle gateway until the job
-    row has its slurm_job_id (the API submits before it answers), vs a bare sbatch.
+(c) Writes under the mix (ours, SQLite, the most workers): creates (real sbatch as the tenant) and
+    cancels at --create-rate beside a wrk mix; every job must end cancelled with its Slurm id.
 
-    /opt/slurm-finetune/venv/bin/python bench/gateway.py [--seconds 15] [--clients 2x8]
+    /opt/slurm-finetune/venv/bin/python bench/gateway.py [--seconds 5] [--repeats 3] [--workers 1,2]
 
-Runtime: about 3 minutes.
+Runtime: about 10 minutes.
 """
 
 from __future__ import annotations
@@ -469,19 +472,6 @@ def writes_under_mix(server: Server, token: str, job_ids: Sequence[str], seconds
     assert all(j["slurm_job_id"] for j in made), "a create answered without a Slurm id"
     assert all(e["status"] == "cancelled" for e in ends), [e["status"] for e in ends]
     return {"mix": mix, "creates": creates, "cancels": cancels, "jobs": len(made)}
-
-
-# ---------------------------------------------------------------- (c) create
-def create_latency(api: Api, file_id: str, n: int = 10) -> list[float]:
-    """Seconds from POST to an answer holding slurm_job_id, on an idle gateway; each job is
-    cancelled at once and waited out before the next (so none queues behind another)."""
-    out = []
-    for _ in range(n):
-        dt, job = create_and_cancel(api, file_id)
-        assert job["slurm_job_id"], job
-        out.append(dt)
-        settle(api, [job["id"]])
-    return out
 
 
 # -------------------------------------------------------------- (b) reconcile
