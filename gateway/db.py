@@ -21,8 +21,6 @@ from sqlmodel import Session
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 _decode = msgspec.json.decode
-
-
 SQLITE_POOL = 40
 
 

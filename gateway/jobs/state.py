@@ -188,6 +188,12 @@ _RUNNING = {S.RUNNING, S.COMPLETING, S.SIGNALING, S.STAGE_OUT}
 SLURM_ACTIVE = frozenset(_PENDING | _RUNNING)
 
 
+def state_word(state: str) -> str:
+    """The state word of a squeue/sacct State field (``CANCELLED by 0`` -> ``CANCELLED``, ``RUNNING+`` ->
+    ``RUNNING``); "" for an empty one."""
+    return state.split()[0].rstrip("+").upper() if state.strip() else ""
+
+
 def from_slurm(state: str | None, exit_code: int | None = None, *, was_running: bool = False) -> SlurmView:
     """Map a Slurm job state (squeue %T / sacct State) to an event.
 
@@ -197,7 +203,7 @@ def from_slurm(state: str | None, exit_code: int | None = None, *, was_running: 
     """
     if state is None:
         return SlurmView(None)
-    s = state.split()[0].rstrip("+").upper()
+    s = state_word(state)
     if s in _PENDING:
         return SlurmView(Event.REQUEUED if was_running else None)
     if s in _RUNNING:

@@ -180,14 +180,20 @@ _E = JobEvent.__table__.c  # type: ignore[attr-defined]
 EVENT_VIEW = (_E.id, _E.created_at, _E.level, _E.message, _E.data, _E.type)
 
 
-def read_job(*, session: Session, principal: Principal, job_id: str) -> Any:
-    """The tenant's job as a row of JOB_VIEW; NotFound for a missing or foreign id alike (scoped in SQL)."""
-    tid = tenant_id_of(principal)
-    row = session.connection().execute(sa.select(*JOB_VIEW).where(_J.id == job_id, _J.tenant_id == tid)).first() \
+def _own_job_row(session: Session, tid: int, job_id: str, columns: tuple[Any, ...],
+                 param: str = "fine_tuning_job_id") -> Any:
+    """``columns`` of the tenant's job ``job_id``; NotFound naming ``param`` for a missing or foreign id
+    alike (scoped in SQL: a foreign row is never read)."""
+    row = session.connection().execute(sa.select(*columns).where(_J.id == job_id, _J.tenant_id == tid)).first() \
         if len(job_id) <= 40 else None
     if row is None:
-        raise NotFound(f"no such fine-tuning job: {job_id}", param="fine_tuning_job_id")
+        raise NotFound(f"no such fine-tuning job: {job_id}", param=param)
     return row
+
+
+def read_job(*, session: Session, principal: Principal, job_id: str) -> Any:
+    """The tenant's job as a row of JOB_VIEW; NotFound for a missing or foreign id alike."""
+    return _own_job_row(session, tenant_id_of(principal), job_id, JOB_VIEW)
 
 
 def read_jobs(*, session: Session, principal: Principal, after: str | None,
@@ -195,30 +201,23 @@ def read_jobs(*, session: Session, principal: Principal, after: str | None,
     """``list_jobs`` as JOB_VIEW rows: the tenant's jobs, newest first, after the job ``after`` (NotFound
     when it is not the tenant's); (page, has_more)."""
     tid = tenant_id_of(principal)
-    conn = session.connection()
     q = sa.select(*JOB_VIEW).where(_J.tenant_id == tid)
     if after:
-        anchor = conn.execute(sa.select(_J.created_at, _J.id).where(_J.id == after, _J.tenant_id == tid)).first() \
-            if len(after) <= 40 else None
-        if anchor is None:
-            raise NotFound(f"no such fine-tuning job: {after}", param="after")
+        anchor = _own_job_row(session, tid, after, (_J.created_at, _J.id), param="after")
         q = q.where(sa.or_(_J.created_at < anchor.created_at,
                            sa.and_(_J.created_at == anchor.created_at, _J.id < anchor.id)))
-    rows = list(conn.execute(q.order_by(_J.created_at.desc(), _J.id.desc()).limit(limit + 1)))
+    rows = list(session.connection().execute(q.order_by(_J.created_at.desc(), _J.id.desc()).limit(limit + 1)))
     return rows[:limit], len(rows) > limit
 
 
 def read_events(*, session: Session, principal: Principal, job_id: str, after: int | None,
                 limit: int) -> tuple[list[Any], bool]:
     """``list_events`` as EVENT_VIEW rows, newest first; NotFound unless the job is the tenant's."""
-    tid = tenant_id_of(principal)
-    conn = session.connection()
-    if len(job_id) > 40 or conn.execute(sa.select(_J.id).where(_J.id == job_id, _J.tenant_id == tid)).first() is None:
-        raise NotFound(f"no such fine-tuning job: {job_id}", param="fine_tuning_job_id")
+    _own_job_row(session, tenant_id_of(principal), job_id, (_J.id,))
     q = sa.select(*EVENT_VIEW).where(_E.job_id == job_id)
     if after is not None:
         q = q.where(_E.id < after)
-    rows = list(conn.execute(q.order_by(_E.id.desc()).limit(limit + 1)))
+    rows = list(session.connection().execute(q.order_by(_E.id.desc()).limit(limit + 1)))
     return rows[:limit], len(rows) > limit
 
 

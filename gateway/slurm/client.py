@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from gateway.jobs.state import SLURM_ACTIVE
+from gateway.jobs.state import SLURM_ACTIVE, state_word
 from gateway.jobs.state import SlurmState as S
 from gateway.slurm import records as rec
 from gateway.slurm.render import JobScript, render_array, render_sbatch
@@ -31,7 +31,7 @@ ACTIVE_STATES = SLURM_ACTIVE    # states in which a job may still own processes 
 
 def _failed_state(state: str | None) -> bool:
     """Whether a squeue state word says the job ended, and not as COMPLETED."""
-    word = (state or "").split(" ")[0].rstrip("+").upper()
+    word = state_word(state or "")
     return bool(word) and word not in ACTIVE_STATES and word != S.COMPLETED
 
 
