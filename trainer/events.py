@@ -19,7 +19,7 @@ from typing import Any
 EVENT_TYPES = frozenset(
     {"start", "phase", "metrics", "eval", "checkpoint", "early_stop", "done", "stopped", "failed", "heartbeat"}
 )
-PHASES = frozenset({"tokenizing", "training", "evaluating", "saving"})
+PHASES = frozenset({"tokenizing", "reference", "training", "evaluating", "saving"})
 HEARTBEAT_S = 30.0        # at most one heartbeat this often
 
 
@@ -75,7 +75,7 @@ class EventLog:
             self.emit("heartbeat")
 
     def phase(self, name: str) -> None:
-        """Record a phase change (tokenizing, training, evaluating, saving)."""
+        """Record a phase change (tokenizing, reference (DPO: scoring the pairs once), training, evaluating, saving)."""
         if name not in PHASES:
             raise ValueError(f"unknown phase {name!r}")
         self.emit("phase", phase=name)

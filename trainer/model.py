@@ -289,6 +289,34 @@ def _head_loss(
     return loss, (logits.detach().argmax(-1) == targets).sum()
 
 
+def _trained_states(model: Any, row: Row) -> tuple[Any, torch.Tensor, torch.Tensor, list[int]]:
+    """Forward one packed row (under autocast); return ``(head, states, targets, keep)``.
+
+    ``keep``: the row's trained positions, ``targets`` their next tokens. For a
+    ``_PLAIN_HEAD`` model ``states`` are the decoder's hidden states at those
+    positions (``head`` turns them into logits, chunk by chunk); for others
+    ``head`` is None and ``states`` are already the fp32 logits there (the
+    model's own forward with ``logits_to_keep``). With no trained position the
+    states are the whole row's hidden states (for the zero-weight backward).
+    """
+    import torch
+
+    device = next(p.device for p in model.parameters())
+    keep = [i for i, t in enumerate(row.targets) if t != IGNORE]
+    ids = torch.tensor([row.input_ids], device=device)
+    positions = torch.tensor([row.position_ids], device=device)
+    keep_t = torch.tensor(keep, device=device)
+    targets = torch.tensor([row.targets[i] for i in keep], device=device)
+    flash = _flash_kwargs(model, row, device)
+    parts = decoder_and_head(model)
+    if parts is None:
+        out = model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=keep_t, **flash)
+        return None, out.logits[0].float(), targets, keep
+    decoder, head = parts
+    hidden = decoder(input_ids=ids, position_ids=positions, use_cache=False, **flash).last_hidden_state[0]
+    return head, (hidden.index_select(0, keep_t) if keep else hidden), targets, keep
+
+
 def row_loss(model: Any, row: Row, chunk: int = LOGIT_CHUNK) -> tuple[torch.Tensor, int, torch.Tensor]:
     """Forward one packed row; return (summed loss, trained tokens, correct argmax count).
 
@@ -308,23 +336,13 @@ def row_loss(model: Any, row: Row, chunk: int = LOGIT_CHUNK) -> tuple[torch.Tens
     from torch.utils.checkpoint import checkpoint
 
     device = next(p.device for p in model.parameters())
-    keep = [i for i, t in enumerate(row.targets) if t != IGNORE]
-    ids = torch.tensor([row.input_ids], device=device)
-    positions = torch.tensor([row.position_ids], device=device)
-    keep_t = torch.tensor(keep, device=device)
-    targets = torch.tensor([row.targets[i] for i in keep], device=device)
-    flash = _flash_kwargs(model, row, device)
-    parts = decoder_and_head(model)
     with _autocast(device):
-        if parts is None:
-            out = model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=keep_t, **flash)
-            logits = out.logits[0].float()
+        head, kept, targets, keep = _trained_states(model, row)
+        if head is None:
+            logits = kept
             return F.cross_entropy(logits, targets, reduction="sum"), len(keep), (logits.argmax(-1) == targets).sum()
-        decoder, head = parts
-        hidden = decoder(input_ids=ids, position_ids=positions, use_cache=False, **flash).last_hidden_state[0]
         if not keep:  # connected to the graph, so a sharded rank's zero-weight backward still runs its hooks
-            return hidden.float().sum() * 0.0, 0, torch.zeros((), dtype=torch.long, device=device)
-        kept = hidden.index_select(0, keep_t)
+            return kept.float().sum() * 0.0, 0, torch.zeros((), dtype=torch.long, device=device)
         loss = kept.new_zeros((), dtype=torch.float32)
         correct = torch.zeros((), dtype=torch.long, device=device)
         training = torch.is_grad_enabled()
@@ -337,6 +355,46 @@ def row_loss(model: Any, row: Row, chunk: int = LOGIT_CHUNK) -> tuple[torch.Tens
                 part, ok = _head_loss(*piece)
             loss, correct = loss + part, correct + ok
     return loss, len(keep), correct
+
+
+def _head_logps(head: Any, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The fp32 log-probability of each target of one chunk of trained positions."""
+    import torch.nn.functional as F
+
+    return -F.cross_entropy(head(hidden).float(), targets, reduction="none")
+
+
+def row_logps(model: Any, row: Row, chunk: int = LOGIT_CHUNK) -> torch.Tensor:
+    """Forward one packed row; return each of its examples' summed log-probability of its trained
+    tokens (fp32, one per example in row order; with gradients when they are on).
+
+    The same forward as :func:`row_loss` (trained positions only, ``chunk`` logits at a time,
+    recomputed in backward past one chunk); the per-token log-probs are then summed per example
+    (an example starts where ``position_ids`` restart at 0).
+    """
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    device = next(p.device for p in model.parameters())
+    starts = torch.tensor([p == 0 for p in row.position_ids], device=device)
+    owner = torch.cumsum(starts.long(), 0) - 1        # the example each position belongs to
+    n = int(starts.sum())
+    with _autocast(device):
+        head, kept, targets, keep = _trained_states(model, row)
+        if not keep:
+            return kept.float().sum() * 0.0 + torch.zeros(n, device=device)
+        if head is None:
+            token_logps = -torch.nn.functional.cross_entropy(kept, targets, reduction="none")
+        else:
+            recompute = torch.is_grad_enabled() and len(keep) > chunk
+            pieces = []
+            for start in range(0, len(keep), chunk):
+                piece = (head, kept[start : start + chunk], targets[start : start + chunk])
+                pieces.append(checkpoint(_head_logps, *piece, use_reentrant=False) if recompute
+                              else _head_logps(*piece))
+            token_logps = torch.cat(pieces)
+    owners = owner.index_select(0, torch.tensor(keep, device=device))
+    return torch.zeros(n, device=device, dtype=torch.float32).index_add(0, owners, token_logps)
 
 
 def accumulate_gradients(

@@ -53,7 +53,7 @@ from types import FrameType
 from typing import Any
 
 from trainer import checkpoint as ckpt
-from trainer import early_signals, exitcodes
+from trainer import dpo, early_signals, exitcodes
 from trainer.catalog import resolve
 from trainer.data import holdout_split, read_conversations, tokenize_all, verify_sha256
 from trainer.distributed import World, dropout_seed
@@ -77,7 +77,7 @@ from trainer.model import (
     lr_lambda,
     resolve_device,
 )
-from trainer.packing import Example, Row, micro_batches, plan
+from trainer.packing import Row, micro_batches, plan
 from trainer.spec import JobSpec, checkpoint_hash, spec_hash
 
 log = logging.getLogger("trainer")
@@ -168,6 +168,8 @@ class Recipe:
         self.progress = Progress()
         self.last_checkpoint_step = -1
         self.best_adapter: dict[str, Any] | None = None  # CPU copies of the best eval's LoRA tensors
+        self.preference = spec.method == "dpo"  # trainer.dpo: units are pairs, the loss is DPO's
+        self.reference: dict[str, Any] | None = None  # DPO: {"train", "validation"}: (pairs, 2) log-probs
 
     # -- setup ---------------------------------------------------------------
 
@@ -250,6 +252,8 @@ class Recipe:
         if self.spec.init_adapter is not None:  # continued training; a checkpoint below still wins
             self._init_from_parent(self.spec.init_adapter.path, self.spec.init_adapter.sha256)
         self.resume()
+        if self.preference and self.reference is None:  # a resumed run has the reference of its checkpoint
+            self.reference = self._reference()
         if not self.world.all_equal(self.last_checkpoint_step):
             raise CheckpointError(
                 f"rank {self.world.rank} resumed from step {max(self.last_checkpoint_step, 0)} but another rank "
@@ -275,14 +279,48 @@ class Recipe:
         if signum is not None:
             raise Stop(signum)
 
-    def _load_examples(self) -> tuple[list[Example], list[Example]]:
+    def _load_examples(self) -> tuple[list[Any], list[Any]]:
+        """The train and validation units: examples (chat data), or pairs (DPO)."""
         max_len = self.hp.max_seq_len
+        if self.preference:
+            train_pairs = dpo.tokenize_pairs(self.tokenizer, dpo.read_pairs(self.spec.train.path, "train"),
+                                             max_len, "train")
+            if self.spec.validation is not None:
+                prefs = dpo.read_pairs(self.spec.validation.path, "validation")
+                return train_pairs, dpo.tokenize_pairs(self.tokenizer, prefs, max_len, "validation")
+            keep, held = holdout_split(len(train_pairs), self.spec.validation_split, self.hp.seed)
+            return [train_pairs[i] for i in keep], [train_pairs[i] for i in held]
         train = tokenize_all(self.tokenizer, read_conversations(self.spec.train.path, "train"), max_len, "train")
         if self.spec.validation is not None:
             conversations = read_conversations(self.spec.validation.path, "validation")
             return train, tokenize_all(self.tokenizer, conversations, max_len, "validation")
         keep, held = holdout_split(len(train), self.spec.validation_split, self.hp.seed)
         return [train[i] for i in keep], [train[i] for i in held]
+
+    def _pair_rows(self, pairs: list[Any], indices: list[int] | None = None) -> list[dpo.PairRow]:
+        """DPO micro-batch rows of whole pairs (both sides of a pair in one forward)."""
+        return dpo.pair_rows(pairs, list(range(len(pairs))) if indices is None else indices,
+                             2 * self.hp.max_seq_len)
+
+    def _reference(self) -> dict[str, Any]:
+        """DPO: the reference policy's log-probabilities of every train and validation pair: the model as
+        training starts (LoRA B = 0, or the parent's adapter), computed once; each rank scores its share
+        of the rows and the shares are added up."""
+        import torch
+
+        self.events.phase("reference")
+        out = {}
+        for name, pairs in (("train", self.train_examples), ("validation", self.val_examples)):
+            rows = self._pair_rows(pairs)
+            mine = dpo.reference_logps(self.model, rows[self.world.rank :: self.world.size], len(pairs),
+                                       self.check_stop)
+            for _ in range(-(-len(rows) // self.world.size) - len(rows[self.world.rank :: self.world.size])):
+                self.check_stop()  # as many stop agreements as the ranks with one row more
+            summed = self.world.sum_floats(mine.reshape(-1).tolist())
+            out[name] = torch.tensor(summed, dtype=torch.float32).reshape(-1, 2) if pairs else mine
+        log.info("reference log-probabilities of %d train / %d validation pairs",
+                 len(self.train_examples), len(self.val_examples))
+        return out
 
     def resume(self) -> None:
         """Load the newest complete checkpoint of this job, if any (exact resume)."""
@@ -328,6 +366,8 @@ class Recipe:
                 state.get("stopped_early", False),
             )
             self.best_adapter = best
+            if self.preference:
+                self.reference = tensors["reference"]
             self.last_checkpoint_step = step
             log.info("resumed from checkpoint step %d", step)
             self.events.emit("start", resumed_from_step=step)
@@ -346,12 +386,12 @@ class Recipe:
         self._step_eval()  # one a signal interrupted before this resume
         while progress.step < self.total_steps and not progress.stopped_early:
             epoch, indices = self.steps[progress.step]
-            rows = micro_batches([self.train_examples[i] for i in indices], hp.max_seq_len)
-            tokens = sum(len(row.input_ids) for row in rows)
+            rows = [] if self.preference else micro_batches([self.train_examples[i] for i in indices], hp.max_seq_len)
+            tokens = sum(len(self.train_examples[i]) for i in indices)
             t0 = time.monotonic()
             lr = self.scheduler.get_last_lr()[0]
             with self.world.collectives("training step"):
-                loss, trained = self.optimizer_step(rows)
+                loss, trained, extra = self.preference_step(indices) if self.preference else self.optimizer_step(rows)
             if not math.isfinite(loss):    # the same summed loss on every rank: they all stop here
                 raise DivergedError(f"training diverged at step {progress.step + 1}: the loss is {loss}; "
                                     "lower the learning rate (learning_rate_multiplier) and submit again")
@@ -367,6 +407,7 @@ class Recipe:
                 "trained_tokens": trained,
                 "tokens_per_s": tokens / dt if dt > 0 else None,
                 "elapsed_s": round(progress.elapsed_s, 4),
+                **extra,
             }
             progress.metrics.append(metric)
             self.events.emit("metrics", total_steps=self.total_steps, **metric)
@@ -375,8 +416,9 @@ class Recipe:
             if progress.step % self.spec.checkpoint_every_steps == 0:
                 self.save_checkpoint()
 
-    def optimizer_step(self, rows: list[Row]) -> tuple[float, int]:
-        """One step over its micro-batch rows (gradients accumulated); returns (token-mean loss, trained tokens).
+    def optimizer_step(self, rows: list[Row]) -> tuple[float, int, dict[str, Any]]:
+        """One step over its micro-batch rows (gradients accumulated); returns (token-mean loss, trained
+        tokens, no extra metrics).
 
         Data parallel: this rank runs rows ``rank, rank + size, ...``, each divided
         by the step's trained tokens over all rows, then the gradients and the
@@ -399,6 +441,32 @@ class Recipe:
         if total:  # a step without trained tokens leaves every gradient None, on every rank
             world.sum_gradients(self.params)
         (loss,) = world.sum_floats([loss])
+        self._update()
+        return loss, trained, {}
+
+    def preference_step(self, indices: list[int]) -> tuple[float, int, dict[str, Any]]:
+        """One DPO step over the pairs ``indices``: rows of whole pairs dealt out round-robin like
+        :meth:`optimizer_step`'s, gradients of the mean pair loss summed over ranks. Returns
+        (mean pair loss, trained tokens, the step's reward margin and accuracy)."""
+        import torch
+
+        world = self.world
+        if world.size > 1:
+            torch.manual_seed(dropout_seed(self.hp.seed, world.rank, self.progress.step))
+        rows = self._pair_rows(self.train_examples, indices)
+        assert self.reference is not None
+        sums = dpo.accumulate_pair_gradients(self.model, rows[world.rank :: world.size], len(indices),
+                                             self.reference["train"], self.hp.beta)
+        world.sum_gradients(self.params)
+        step = dpo.preference_metrics(dpo.PreferenceSums.from_list(world.sum_floats(sums.as_list())))
+        self._update()
+        extra = {k: step[k] for k in ("reward_margin", "reward_accuracy")}
+        return float(step["loss"] or 0.0), int(step["tokens"] or 0), extra
+
+    def _update(self) -> None:
+        """Clip, step the optimizer and the schedule, clear the gradients: the end of every step."""
+        import torch
+
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         if self.spec.fault_lr_blowup_at_step == self.progress.step + 1:   # test-only fault (JobSpec)
             for group in self.optimizer.param_groups:
@@ -406,7 +474,6 @@ class Recipe:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss, trained
 
     def _step_eval(self) -> None:
         """Run the periodic eval due at this step, once, and feed it to early stopping.
@@ -456,7 +523,10 @@ class Recipe:
     def _eval(self, when: str, step: int | None = None) -> dict[str, Any]:
         """Evaluate the model now; ``step`` is the step its weights come from (default: now)."""
         self.events.phase("evaluating")
-        result = {"when": when, "step": self.progress.step if step is None else step}
+        result: dict[str, Any] = {"when": when, "step": self.progress.step if step is None else step}
+        if self.preference:
+            result.update(self._preference_eval())
+            return self._record_eval(when, result)
         rows = micro_batches(self.val_examples, self.hp.max_seq_len)
         mine = rows[self.world.rank :: self.world.size]
         short = -(-len(rows) // self.world.size) - len(mine)
@@ -469,6 +539,20 @@ class Recipe:
                 self.check_stop()  # as many stop agreements as the ranks with one row more
         total, tokens, correct, s1, s2, n = self.world.sum_floats([float(x) for x in sums])
         result.update(eval_metrics(total, int(tokens), int(correct), len(self.val_examples), (s1, s2, int(n))))
+        return self._record_eval(when, result)
+
+    def _preference_eval(self) -> dict[str, Any]:
+        """DPO: the validation pairs' metrics (:func:`trainer.dpo.preference_metrics`), rows sharded over ranks."""
+        assert self.reference is not None
+        rows = self._pair_rows(self.val_examples)
+        mine = rows[self.world.rank :: self.world.size]
+        sums = dpo.eval_pair_sums(self.model, mine, self.reference["validation"], self.hp.beta, self.check_stop)
+        for _ in range(-(-len(rows) // self.world.size) - len(mine)):
+            self.check_stop()
+        metrics = dpo.preference_metrics(dpo.PreferenceSums.from_list(self.world.sum_floats(sums.as_list())))
+        return {**metrics, "examples": len(self.val_examples)}
+
+    def _record_eval(self, when: str, result: dict[str, Any]) -> dict[str, Any]:
         self.progress.evals.append(result)
         self.events.emit("eval", **result)
         log.info("eval %s step %d: loss %.4f", when, result["step"], result["loss"])
@@ -508,6 +592,8 @@ class Recipe:
             "scheduler": self.scheduler.state_dict(),
             "rng_cpu": torch.get_rng_state(),
         }
+        if self.reference is not None:  # DPO: a resume scores against the very same reference
+            tensors["reference"] = self.reference
         if torch.cuda.is_available() and self.world.size == 1:  # several ranks: every visible GPU's would be read
             tensors["rng_cuda"] = torch.cuda.get_rng_state_all()
         buffer = io.BytesIO()
@@ -628,6 +714,7 @@ class Recipe:
                 "validation": self.spec.validation.sha256 if self.spec.validation else None,
             },
             "spec_hash": self.spec_hash,
+            "method": self.spec.method,
             "attempt": self.attempt,
             "steps": self.progress.step,
             "best_step": self.progress.best_step,

@@ -65,6 +65,10 @@ class Hyperparameters(_Strict):
     evals (``eval_every_steps``) in a row whose validation loss is not below
     the best so far minus ``early_stopping_min_delta``, training stops and the
     adapter of the best eval is published.
+
+    ``beta`` (DPO only, ``JobSpec.method == "dpo"``): the strength of the
+    pull towards the reference policy in the sigmoid loss (TRL's and OpenAI's
+    default 0.1); larger keeps the policy closer to the reference.
     """
 
     epochs: Annotated[int, Field(ge=1, le=100)] = 3
@@ -84,6 +88,7 @@ class Hyperparameters(_Strict):
     early_stopping_patience: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
     early_stopping_min_delta: Annotated[float, Field(ge=0.0, le=100.0)] = 0.0
     torch_compile: bool = False
+    beta: Annotated[float, Field(gt=0.0, le=100.0)] = 0.1
 
     @field_validator("target_modules")
     @classmethod
@@ -154,6 +159,11 @@ class JobSpec(_Strict):
     before the first step; its LoRA shape must be this spec's. A checkpoint of
     this job, when there is one, still wins (a resumed attempt continues itself).
 
+    ``method``: ``"supervised"`` (SFT on chat data) or ``"dpo"`` (direct preference
+    optimisation on preference pairs, :mod:`trainer.dpo`; the train/validation files are
+    then OpenAI preference JSONL). A DPO step holds whole pairs, so ``batch_size_tokens``
+    must be at least ``2 * max_seq_len``; DPO is not sharded (no ``fsdp``) yet.
+
     ``fault_lr_blowup_at_step``: fault injection for the test suite (the gateway's
     ``SFT_FAULT_LR_BLOWUP_AT_STEP``): that optimizer step runs at learning rate 1e30, so
     the weights overflow and the next step's loss is not finite. Never set on a real site.
@@ -173,7 +183,22 @@ class JobSpec(_Strict):
     world_size: Annotated[int, Field(ge=1, le=1024)] = 1
     fsdp: bool = False
     init_adapter: DatasetRef | None = None
+    method: Literal["supervised", "dpo"] = "supervised"
     fault_lr_blowup_at_step: Annotated[int, Field(ge=1)] | None = None
+
+    @model_validator(mode="after")
+    def _method_fits(self) -> JobSpec:
+        hp = self.hyperparameters
+        if self.method != "dpo" and "beta" in hp.model_fields_set:
+            raise ValueError("hyperparameters.beta is a DPO hyperparameter: set method 'dpo', or leave beta out")
+        if self.method == "dpo" and hp.batch_size_tokens < 2 * hp.max_seq_len:
+            raise ValueError(
+                f"method dpo: batch_size_tokens ({hp.batch_size_tokens}) must be >= 2 * max_seq_len "
+                f"({2 * hp.max_seq_len}): one optimizer step must hold a whole pair (both sides)"
+            )
+        if self.method == "dpo" and self.fsdp:
+            raise ValueError("method dpo does not run sharded (fsdp) yet: train it data parallel, without fsdp")
+        return self
 
 
 def _model_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel] | None:
@@ -278,8 +303,9 @@ def load_spec(path: str | Path) -> JobSpec:
     return parse_spec(data)
 
 
-_ADDED_HYPERPARAMETERS = ("warmup_ratio", "early_stopping_patience", "early_stopping_min_delta", "torch_compile")
-_ADDED_FIELDS = ("device", "world_size", "fsdp", "init_adapter", "fault_lr_blowup_at_step")
+_ADDED_HYPERPARAMETERS = ("warmup_ratio", "early_stopping_patience", "early_stopping_min_delta", "torch_compile",
+                          "beta")
+_ADDED_FIELDS = ("device", "world_size", "fsdp", "init_adapter", "method", "fault_lr_blowup_at_step")
 """Fields added after version 1 shipped: left out of the canonical JSON while at their default,
 so a spec that does not use them keeps its hash (and an in-flight job its checkpoints) across
 an upgrade."""

@@ -1,0 +1,330 @@
+"""Direct preference optimisation (DPO, Rafailov et al. 2023) on the QLoRA base.
+
+Input is OpenAI's preference JSONL: one ``{"input": {"messages": [...]},
+"preferred_output": [assistant message], "non_preferred_output": [assistant
+message]}`` per line. Each side is tokenized as the conversation ``input +
+[that side]`` with the base model's chat template; only the side's own
+assistant tokens are trained (``loss_mask``), like the last turn of a chat.
+
+The loss of a pair is the sigmoid loss ``-log sigmoid(beta * ((pc - rc) - (pr - rr)))``
+where ``pc``/``pr`` are the policy's summed log-probabilities of the chosen and
+rejected side and ``rc``/``rr`` the reference's. The reference is the policy as
+training starts (the 4-bit base with the freshly initialised LoRA, whose B is
+zero: the base itself; or the parent's adapter when continuing a supervised
+model), its log-probabilities computed once in setup (:func:`reference_logps`)
+and kept in every checkpoint: no second model in memory, no reference forward
+per step, and a resume scores against the very same numbers.
+
+Packing: a pair is one unit of the step plan (whole pairs up to
+``batch_size_tokens`` tokens, the plan of ``trainer.packing``), and a
+micro-batch row holds whole pairs, chosen then rejected (:func:`pair_rows`):
+both sides of a pair are in one forward, at most ``2 * max_seq_len`` tokens
+per row. The step's loss is the mean over its pairs, as if they were one batch.
+
+Metrics of a set of pairs (:func:`preference_metrics`): the mean loss, the
+implicit rewards ``beta * (policy - reference)`` of each side, their margin,
+``reward_accuracy`` (the share of pairs whose chosen reward is above the
+rejected one; a tie counts one half, so the reference itself scores 0.5) and
+``logp_accuracy`` (the share whose chosen side is more likely than the
+rejected one under the policy alone).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainer.data import ROLES, ChatTokenizer, Conversation, tokenize_conversation
+from trainer.errors import DatasetError
+from trainer.packing import Example, Row, build_row, pack
+
+if TYPE_CHECKING:
+    import torch
+
+TOP_KEYS = frozenset({"input", "preferred_output", "non_preferred_output"})
+SIDES = ("preferred_output", "non_preferred_output")
+
+
+@dataclass(frozen=True)
+class Preference:
+    """One validated dataset line: the prompt and the two answers to it."""
+
+    line: int
+    prompt: list[dict[str, str]]
+    chosen: str
+    rejected: str
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One tokenized preference: both sides as examples (same prompt, own trained tokens)."""
+
+    chosen: Example
+    rejected: Example
+    line: int
+
+    def __len__(self) -> int:
+        return len(self.chosen) + len(self.rejected)
+
+
+@dataclass(frozen=True)
+class PairRow:
+    """One packed row of whole pairs (chosen, rejected, chosen, ...) and the pairs' indices."""
+
+    row: Row
+    pairs: list[int]
+
+
+# ----------------------------------------------------------------- reading
+
+
+def _side(obj: dict[str, Any], key: str, where: str) -> str:
+    side = obj.get(key)
+    if not isinstance(side, list) or len(side) != 1:
+        raise DatasetError(f"{where}: '{key}' must be a list of exactly one assistant message")
+    message = side[0]
+    if not isinstance(message, dict) or set(message) - {"role", "content"} or message.get("role") != "assistant":
+        raise DatasetError(f"{where}: '{key}' must hold one message with role 'assistant' and a 'content'")
+    content = message.get("content")
+    if not isinstance(content, str) or not content.strip():
+        raise DatasetError(f"{where}: '{key}' content must be a non-empty string")
+    return content
+
+
+def _validate_line(obj: Any, where: str) -> tuple[list[dict[str, str]], str, str]:
+    if not isinstance(obj, dict) or set(obj) != TOP_KEYS:
+        raise DatasetError(f"{where}: expected an object with exactly the keys {sorted(TOP_KEYS)}")
+    prompt_obj = obj["input"]
+    if not isinstance(prompt_obj, dict) or set(prompt_obj) != {"messages"}:
+        raise DatasetError(f"{where}: 'input' must be an object with only the key 'messages'")
+    messages = prompt_obj["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise DatasetError(f"{where}: 'input.messages' must be a non-empty list")
+    prompt: list[dict[str, str]] = []
+    for i, message in enumerate(messages):
+        at = f"{where}, input message {i}"
+        if not isinstance(message, dict) or set(message) - {"role", "content"}:
+            raise DatasetError(f"{at}: expected keys among ['content', 'role']")
+        if message.get("role") not in ROLES or not isinstance(message.get("content"), str):
+            raise DatasetError(f"{at}: role must be one of {sorted(ROLES)} and 'content' a string")
+        prompt.append({"role": message["role"], "content": message["content"]})
+    if prompt[-1]["role"] != "user":
+        raise DatasetError(f"{where}: 'input.messages' must end with a user message (the prompt answered)")
+    chosen, rejected = (_side(obj, key, where) for key in SIDES)
+    if chosen == rejected:
+        raise DatasetError(f"{where}: the preferred and non-preferred outputs are identical")
+    return prompt, chosen, rejected
+
+
+def read_pairs(path: str | Path, what: str) -> list[Preference]:
+    """Read and validate every line of a preference JSONL file (blank lines are skipped).
+
+    Raises:
+        DatasetError: naming the first invalid line (never its text).
+    """
+    pairs: list[Preference] = []
+    try:
+        with open(path, "rb") as f:
+            for number, raw in enumerate(f, start=1):
+                where = f"{what} dataset line {number}"
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DatasetError(f"{where}: not valid UTF-8") from e
+                if not text.strip():
+                    continue
+                try:
+                    obj = json.loads(text)
+                except json.JSONDecodeError as e:
+                    raise DatasetError(f"{where}: not valid JSON (column {e.colno})") from e
+                prompt, chosen, rejected = _validate_line(obj, where)
+                pairs.append(Preference(number, prompt, chosen, rejected))
+    except OSError as e:
+        raise DatasetError(f"{what} dataset {path}: cannot read ({e.strerror})") from e
+    if not pairs:
+        raise DatasetError(f"{what} dataset {path}: no preference pairs")
+    return pairs
+
+
+def _side_example(tokenizer: ChatTokenizer, pref: Preference, content: str, what: str) -> Example:
+    """``prompt + [content]`` tokenized; only ``content``'s assistant tokens trained."""
+    messages = [*pref.prompt, {"role": "assistant", "content": content}]
+    weights = [0] * sum(m["role"] == "assistant" for m in pref.prompt) + [1]
+    return tokenize_conversation(tokenizer, Conversation(pref.line, messages, weights), what)
+
+
+def tokenize_pairs(tokenizer: ChatTokenizer, prefs: list[Preference], max_seq_len: int, what: str) -> list[Pair]:
+    """Tokenize both sides of every pair; refuse a side longer than ``max_seq_len``.
+
+    Raises:
+        DatasetError: naming the line and its token count (prompt + the longer side).
+    """
+    pairs = []
+    for pref in prefs:
+        chosen = _side_example(tokenizer, pref, pref.chosen, what)
+        rejected = _side_example(tokenizer, pref, pref.rejected, what)
+        longest = max(len(chosen), len(rejected))
+        if longest > max_seq_len:
+            raise DatasetError(
+                f"{what} dataset line {pref.line}: prompt + longer side is {longest} tokens > max_seq_len "
+                f"{max_seq_len}; shorten that pair or raise hyperparameters.max_seq_len"
+            )
+        if not any(chosen.loss_mask) or not any(rejected.loss_mask):
+            raise DatasetError(f"{what} dataset line {pref.line}: a side has no trained tokens")
+        pairs.append(Pair(chosen, rejected, pref.line))
+    return pairs
+
+
+# ----------------------------------------------------------------- rows
+
+
+def pair_rows(pairs: list[Pair], indices: list[int], capacity: int) -> list[PairRow]:
+    """Pack the pairs ``indices`` (in order) into rows of whole pairs of at most ``capacity`` tokens.
+
+    Raises:
+        ValueError: a pair is longer than ``capacity``.
+    """
+    groups = pack([len(pairs[i]) for i in indices], list(range(len(indices))), capacity)
+    rows = []
+    for group in groups:
+        members = [indices[g] for g in group]
+        sides = [side for i in members for side in (pairs[i].chosen, pairs[i].rejected)]
+        rows.append(PairRow(build_row(sides), members))
+    return rows
+
+
+# ----------------------------------------------------------------- loss
+
+
+def dpo_terms(policy: torch.Tensor, reference: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-pair sigmoid DPO loss and implicit rewards.
+
+    ``policy``/``reference``: ``(n, 2)`` summed log-probabilities (chosen, rejected).
+    Returns ``(loss (n,), rewards (n, 2))`` with ``rewards = beta * (policy - reference)``.
+    """
+    import torch.nn.functional as F
+
+    rewards = beta * (policy - reference.to(policy.device, policy.dtype))
+    return -F.logsigmoid(rewards[:, 0] - rewards[:, 1]), rewards
+
+
+@dataclass
+class PreferenceSums:
+    """Additive sums over pairs (ranks add theirs up), turned into metrics by :func:`preference_metrics`."""
+
+    pairs: int = 0
+    loss: float = 0.0
+    loss_sq: float = 0.0          # sum of squared per-pair losses: the eval's spread
+    chosen_reward: float = 0.0
+    rejected_reward: float = 0.0
+    reward_correct: float = 0.0   # a tie counts 0.5
+    logp_correct: float = 0.0
+    tokens: int = 0
+
+    def add(self, loss: torch.Tensor, rewards: torch.Tensor, policy: torch.Tensor, tokens: int) -> None:
+        """Add one row's pairs (detached values)."""
+        import torch
+
+        loss, rewards, policy = loss.detach().double(), rewards.detach().double(), policy.detach().double()
+        margin = rewards[:, 0] - rewards[:, 1]
+        self.pairs += int(loss.numel())
+        self.loss += float(loss.sum())
+        self.loss_sq += float((loss * loss).sum())
+        self.chosen_reward += float(rewards[:, 0].sum())
+        self.rejected_reward += float(rewards[:, 1].sum())
+        self.reward_correct += float((margin > 0).double().sum() + 0.5 * (margin == 0).double().sum())
+        self.logp_correct += float(torch.gt(policy[:, 0], policy[:, 1]).double().sum()
+                                   + 0.5 * torch.eq(policy[:, 0], policy[:, 1]).double().sum())
+        self.tokens += tokens
+
+    def as_list(self) -> list[float]:
+        """The sums as floats, for one ``World.sum_floats`` collective."""
+        return [float(self.pairs), self.loss, self.loss_sq, self.chosen_reward, self.rejected_reward,
+                self.reward_correct, self.logp_correct, float(self.tokens)]
+
+    @classmethod
+    def from_list(cls, values: list[float]) -> PreferenceSums:
+        """The inverse of :meth:`as_list` (after the ranks' sums were added up)."""
+        pairs, loss, loss_sq, chosen, rejected, reward_ok, logp_ok, tokens = values
+        return cls(int(pairs), loss, loss_sq, chosen, rejected, reward_ok, logp_ok, int(tokens))
+
+
+def preference_metrics(sums: PreferenceSums) -> dict[str, float | None]:
+    """The metrics of a set of pairs: mean loss (and its standard error), rewards, margin, accuracies."""
+    n = max(sums.pairs, 1)
+    mean = sums.loss / n
+    var = (sums.loss_sq - sums.loss * sums.loss / n) / (n - 1) if sums.pairs > 1 else None
+    return {
+        "loss": mean,
+        "loss_stderr": math.sqrt(max(var, 0.0) / n) if var is not None else None,
+        "chosen_reward": sums.chosen_reward / n,
+        "rejected_reward": sums.rejected_reward / n,
+        "reward_margin": (sums.chosen_reward - sums.rejected_reward) / n,
+        "reward_accuracy": sums.reward_correct / n,
+        "logp_accuracy": sums.logp_correct / n,
+        "pairs": sums.pairs,
+        "tokens": sums.tokens,
+    }
+
+
+def _row_policy(model: Any, row: PairRow) -> torch.Tensor:
+    from trainer.model import row_logps
+
+    return row_logps(model, row.row).view(-1, 2)
+
+
+def accumulate_pair_gradients(model: Any, rows: list[PairRow], total_pairs: int, reference: torch.Tensor,
+                              beta: float) -> PreferenceSums:
+    """Forward and backward each row of one optimizer step; the gradients are those of the mean
+    DPO loss over the step's ``total_pairs`` pairs (on all ranks: each passes its own rows).
+    ``reference``: ``(pairs in the dataset, 2)``. Returns this rank's sums."""
+    sums = PreferenceSums()
+    for row in rows:
+        policy = _row_policy(model, row)
+        loss, rewards = dpo_terms(policy, reference[row.pairs], beta)
+        (loss.sum() / total_pairs).backward()
+        sums.add(loss, rewards, policy, row.row.n_targets)
+    return sums
+
+
+def eval_pair_sums(model: Any, rows: list[PairRow], reference: torch.Tensor, beta: float,
+                   check: Callable[[], None] | None = None) -> PreferenceSums:
+    """The sums of :class:`PreferenceSums` over ``rows`` without gradients (``check`` before each row)."""
+    import torch
+
+    sums = PreferenceSums()
+    model.eval()
+    try:
+        with torch.no_grad():
+            for row in rows:
+                if check is not None:
+                    check()
+                policy = _row_policy(model, row)
+                loss, rewards = dpo_terms(policy, reference[row.pairs], beta)
+                sums.add(loss, rewards, policy, row.row.n_targets)
+    finally:
+        model.train()
+    return sums
+
+
+def reference_logps(model: Any, rows: list[PairRow], n_pairs: int, check: Callable[[], None] | None = None
+                    ) -> torch.Tensor:
+    """The ``(n_pairs, 2)`` summed log-probabilities of the pairs of ``rows`` under ``model`` as it is now
+    (eval mode, no gradients); pairs not in ``rows`` (another rank's) stay 0, so ranks can add theirs up."""
+    import torch
+
+    out = torch.zeros(n_pairs, 2, dtype=torch.float32)
+    model.eval()
+    try:
+        with torch.no_grad():
+            for row in rows:
+                if check is not None:
+                    check()
+                out[row.pairs] = _row_policy(model, row).float().cpu()
+    finally:
+        model.train()
+    return out
