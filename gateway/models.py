@@ -147,6 +147,8 @@ class FineTuningJob(SQLModel, table=True):
     gpus: int = Field(default=1)
     nodes: int = Field(default=1)
     fsdp: bool = Field(default=False)   # shard the model over the ranks (FSDP2), else every rank holds it
+    # "supervised" (chat data) or "dpo" (preference pairs; its beta is in hyperparameters)
+    method: str = Field(default="supervised", max_length=16, sa_column_kwargs={"server_default": "supervised"})
     # continued training: the parent fine-tuned model and its adapter tar (a result file of the parent)
     parent_model: str | None = Field(default=None, max_length=255)
     init_file: str | None = Field(default=None, max_length=40)

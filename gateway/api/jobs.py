@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway.access.policy import Policy
 from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep, access
@@ -24,10 +24,26 @@ class Supervised(BaseModel):
     hyperparameters: dict[str, Any] = Field(default_factory=dict)
 
 
+class Dpo(BaseModel):
+    """OpenAI's ``method.dpo``: its hyperparameters are the supervised ones plus ``beta``."""
+
+    model_config = ConfigDict(extra="forbid")
+    hyperparameters: dict[str, Any] = Field(default_factory=dict)
+
+
 class Method(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    type: Literal["supervised"] = "supervised"
+    type: Literal["supervised", "dpo"] = "supervised"
     supervised: Supervised | None = None
+    dpo: Dpo | None = None
+
+    @model_validator(mode="after")
+    def _settings_of_its_type(self) -> Method:
+        other = "dpo" if self.type == "supervised" else "supervised"
+        if getattr(self, other) is not None:
+            raise ValueError(f"method.{other} given with method.type {self.type!r}: "
+                             f"set method.type to {other!r}, or move the settings to method.{self.type}")
+        return self
 
 
 class Resources(BaseModel):
@@ -64,6 +80,9 @@ def job_object(job: FineTuningJob | Any, tenant: str) -> dict[str, Any]:
     """OpenAI's fine_tuning.job plus ours: slurm_job_id, attempt, phase, cleanup, progress (``job``: the
     model, or a row of ``svc.JOB_VIEW``)."""
     hp = dict(job.hyperparameters or {})
+    method = job.method or "supervised"
+    if method == "dpo":
+        hp.setdefault("beta", svc.DEFAULT_BETA)
     epochs = hp.get("epochs", svc.DEFAULT_EPOCHS)
     lr = hp.get("learning_rate")
     openai_hp = {"n_epochs": epochs, "batch_size": "auto",
@@ -83,7 +102,7 @@ def job_object(job: FineTuningJob | Any, tenant: str) -> dict[str, Any]:
         "estimated_finish": _ts(job.estimated_finish) if job.status in (JobState.QUEUED, JobState.RUNNING) else None,
         "expected_start": _ts(job.expected_start) if job.status == JobState.QUEUED else None,
         "integrations": [], "metadata": job.meta,
-        "method": {"type": "supervised", "supervised": {"hyperparameters": {**openai_hp, **hp}}},
+        "method": {"type": method, method: {"hyperparameters": {**openai_hp, **hp}}},
         # ours
         "slurm_job_id": job.slurm_job_id, "attempt": job.attempt, "phase": job.phase, "qos": job.qos,
         "resources": {"gpus": job.gpus, "nodes": job.nodes, "fsdp": job.fsdp},
@@ -111,15 +130,17 @@ def checkpoint_object(ck: JobCheckpoint, job: FineTuningJob, adapter: DataFile |
 
 def _request(body: CreateJob, idempotency_key: str | None) -> svc.JobRequest:
     hp = dict(body.hyperparameters or {})
-    if body.method and body.method.supervised:
-        hp.update(body.method.supervised.hyperparameters)
+    settings = body.method and (body.method.supervised or body.method.dpo)
+    if settings:
+        hp.update(settings.hyperparameters)
     return svc.JobRequest(training_file=body.training_file, model=body.model, validation_file=body.validation_file,
                           hyperparameters=hp, suffix=body.suffix, seed=body.seed, metadata=body.metadata,
                           idempotency_key=idempotency_key,
                           gpus=body.resources.gpus if body.resources else 1,
                           nodes=body.resources.nodes if body.resources else 1,
                           fsdp=body.resources.fsdp if body.resources else False,
-                          from_checkpoint=body.from_checkpoint)
+                          from_checkpoint=body.from_checkpoint,
+                          method=body.method.type if body.method else "supervised")
 
 
 @router.post("")

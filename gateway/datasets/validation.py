@@ -1,12 +1,23 @@
-"""Dataset validation: a pure, streaming checker of OpenAI-style chat JSONL.
+"""Dataset validation: a pure, streaming checker of OpenAI-style fine-tuning JSONL.
+
+A file holds one of two formats, set by its first line that is a JSON object with
+either format's keys: chat (``{"messages": [...]}``) or preference, OpenAI's DPO
+format (``{"input": {"messages": [...]}, "preferred_output": [assistant message],
+"non_preferred_output": [assistant message]}``); a line of the other format is a
+``mixed_format`` error.
+For a preference file ``stats["tokens"]`` counts a pair as both its sequences
+(prompt + chosen and prompt + rejected: a DPO step trains on both) and
+``stats["preference"]`` gives each side's statistics.
 
 Feed it lines (``Validator.feed``) as they stream in and call ``finish``; it
 keeps only counts, the first ``max_errors`` issues, a 16-byte hash per example
-(duplicates) and one integer per example (token statistics). Every issue carries
-its line number and class; messages never quote the dataset (not even key names
-or role values): the report is stored and shown as metadata.
+(duplicates) and a few integers per sampled example (token and per-side
+statistics). Every issue carries its line number and class; messages never quote
+the dataset (not even key names or role values): the report is stored and shown
+as metadata.
 Token checks use a ``TokenCounter`` (the base model's own tokenizer and chat
-template); without one they are reported as skipped, not passed.
+template); without one they are reported as skipped, not passed. One line's checks
+(error classes, fast decoders, detailed checks) are in ``gateway.datasets.lines``.
 """
 
 from __future__ import annotations
@@ -16,44 +27,24 @@ import json
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from enum import StrEnum
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
-import msgspec
+from gateway.datasets.lines import (
+    CHAT,
+    PREFERENCE,
+    FastMessage,
+    Kind,
+    LineError,
+    Pair,
+    Warn,
+    check_example,
+    check_pair,
+    encodable,
+    fast_messages,
+    fast_pair,
+    format_of,
+)
 
-
-class Kind(StrEnum):
-    """Error classes; each makes the file unusable for training."""
-
-    EMPTY_FILE = "empty_file"
-    TOO_LARGE = "file_too_large"
-    LINE_TOO_LONG = "line_too_long"
-    NOT_UTF8 = "not_utf8"
-    NOT_JSON = "not_json"
-    NOT_OBJECT = "not_object"
-    MISSING_MESSAGES = "missing_messages"
-    MESSAGE_NOT_OBJECT = "message_not_object"
-    UNKNOWN_KEY = "unknown_key"
-    BAD_ROLE = "bad_role"
-    BAD_CONTENT = "bad_content"
-    ROLE_ORDER = "role_order"
-    NO_ASSISTANT = "no_assistant"
-    BAD_WEIGHT = "bad_weight"
-    TOO_LONG = "example_too_long"
-    TOO_FEW = "too_few_examples"
-
-
-class Warn(StrEnum):
-    """Warning classes: reported, but the file stays usable."""
-
-    DUPLICATE = "duplicate_example"
-    VERY_SHORT = "very_short_example"
-    TOKENS_NOT_CHECKED = "tokens_not_checked"
-
-
-TOP_KEYS = frozenset({"messages"})
-MESSAGE_KEYS = frozenset({"role", "content", "weight", "name"})
-ROLES = ("system", "user", "assistant")
 DEFAULT_EPOCHS = 3
 SHORT_CHARS = 8          # an example whose messages hold fewer characters is "very short"
 TOKEN_BATCH = 256
@@ -61,6 +52,7 @@ TOKEN_BATCH = 256
 # The maximum-length rule is enforced on every example regardless (see Validator._tokens_for).
 EXACT_FIRST = 1000
 SAMPLE_EVERY = 32
+
 
 
 @dataclass(frozen=True)
@@ -83,119 +75,6 @@ class TokenCounter(Protocol):
         """A cheap proven upper bound on the example's tokens, or None if there is none."""
         ...
 
-
-class _FastMessage(msgspec.Struct, forbid_unknown_fields=True):
-    role: Literal["system", "user", "assistant"]
-    content: str
-    weight: int | msgspec.UnsetType = msgspec.UNSET
-    name: str | msgspec.UnsetType = msgspec.UNSET
-
-
-class _FastExample(msgspec.Struct, forbid_unknown_fields=True):
-    messages: list[_FastMessage]
-
-
-_FAST = msgspec.json.Decoder(_FastExample)
-
-
-def _fast_messages(raw: bytes) -> list[_FastMessage] | None:
-    """The messages of a well-formed line decoded in C, or None (then the detailed,
-    slower path finds and names the problem)."""
-    try:
-        ex = _FAST.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
-    msgs = ex.messages
-    if not msgs:
-        return None
-    expected = "user"
-    learn = False
-    for i, m in enumerate(msgs):
-        if m.weight is not msgspec.UNSET and (m.role != "assistant" or m.weight not in (0, 1)):
-            return None
-        if m.role == "system" and i == 0:
-            continue
-        if m.role != expected:
-            return None
-        if expected == "assistant":
-            learn = learn or m.weight is msgspec.UNSET or m.weight == 1
-            expected = "user"
-        else:
-            expected = "assistant"
-    if not learn:
-        return None
-    return msgs
-
-
-def _encodable(messages: list[dict[str, Any]]) -> bool:
-    """Whether every string of the messages is valid Unicode (no lone surrogates)."""
-    try:
-        for m in messages:
-            for key in ("content", "name"):
-                if isinstance(m.get(key), str):
-                    m[key].encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-class LineError(Exception):
-    def __init__(self, kind: Kind, message: str):
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-
-
-def _check_message(i: int, m: Any) -> None:
-    if not isinstance(m, dict):
-        raise LineError(Kind.MESSAGE_NOT_OBJECT,
-                        f"messages[{i}] is a {type(m).__name__}, not an object")
-    unknown = m.keys() - MESSAGE_KEYS
-    if unknown:
-        raise LineError(Kind.UNKNOWN_KEY, f"messages[{i}] has {len(unknown)} unknown key(s); "
-                        f"allowed: {sorted(MESSAGE_KEYS)}")
-    role = m.get("role")
-    if role not in ROLES:
-        raise LineError(Kind.BAD_ROLE, f"messages[{i}].role is not one of: {', '.join(ROLES)}")
-    if not isinstance(m.get("content"), str):
-        what = "missing" if "content" not in m else f"a {type(m['content']).__name__}"
-        raise LineError(Kind.BAD_CONTENT, f"messages[{i}].content is {what}; it must be a string")
-    if "weight" in m:
-        w = m["weight"]
-        if role != "assistant":
-            raise LineError(Kind.BAD_WEIGHT, f"messages[{i}] has a weight but is a {role} "
-                            "message; only assistant messages take a weight")
-        if isinstance(w, bool) or w not in (0, 1):
-            raise LineError(Kind.BAD_WEIGHT, f"messages[{i}].weight must be 0 or 1")
-
-
-def check_example(obj: Any) -> list[dict[str, Any]]:
-    """Return the messages of one parsed line, or raise LineError naming the problem."""
-    if not isinstance(obj, dict):
-        raise LineError(Kind.NOT_OBJECT, f"the line is a JSON {type(obj).__name__}, not an object")
-    unknown = obj.keys() - TOP_KEYS
-    if unknown:
-        raise LineError(Kind.UNKNOWN_KEY, f"{len(unknown)} unknown key(s); the only key allowed is "
-                        "'messages'")
-    messages = obj.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise LineError(Kind.MISSING_MESSAGES, "`messages` is missing, empty or not a list")
-    for i, m in enumerate(messages):
-        _check_message(i, m)
-    expected = "user"
-    for i, m in enumerate(messages):
-        role = m["role"]
-        if role == "system" and i == 0:
-            continue
-        if role != expected:
-            raise LineError(Kind.ROLE_ORDER, f"messages[{i}] is {role}, expected {expected} "
-                            "(optional system first, then user and assistant alternating)")
-        expected = "assistant" if expected == "user" else "user"
-    if not any(m["role"] == "assistant" and m.get("weight", 1) == 1 for m in messages):
-        raise LineError(Kind.NO_ASSISTANT, "no assistant message with weight 1: nothing to learn")
-    return messages
-
-
 def _weighted_percentile(pairs: list[tuple[int, int]], q: float) -> int:
     """Percentile of (value, weight) pairs sorted by value."""
     if not pairs:
@@ -207,6 +86,45 @@ def _weighted_percentile(pairs: list[tuple[int, int]], q: float) -> int:
         if acc >= target:
             return value
     return pairs[-1][0]
+
+
+def _distribution(pairs: list[tuple[int, int]]) -> dict[str, int]:
+    """p50, p95 and max of (value, weight) pairs sorted by value."""
+    return {"p50": _weighted_percentile(pairs, 0.5), "p95": _weighted_percentile(pairs, 0.95),
+            "max": pairs[-1][0] if pairs else 0}
+
+
+def _sample_weight(index: int) -> int:
+    """The weight of the ``index``-th example in the statistics sample (0: not sampled)."""
+    return 1 if index < EXACT_FIRST else (SAMPLE_EVERY if index % SAMPLE_EVERY == 0 else 0)
+
+
+@dataclass
+class _Sides:
+    """Per-side statistics of preference pairs: sampled (value, weight) lists like the token
+    sample, one entry per side, and each side's exact longest content."""
+
+    tokens: tuple[list[tuple[int, int]], list[tuple[int, int]]] = field(default_factory=lambda: ([], []))
+    chars: tuple[list[tuple[int, int]], list[tuple[int, int]]] = field(default_factory=lambda: ([], []))
+    max_chars: list[int] = field(default_factory=lambda: [0, 0])
+
+    def add_chars(self, pair: Pair, weight: int) -> None:
+        """Record both sides' content lengths (sampled with ``weight``; the maxima always)."""
+        for i, text in enumerate((pair.chosen, pair.rejected)):
+            self.max_chars[i] = max(self.max_chars[i], len(text))
+            if weight:
+                self.chars[i].append((len(text), weight))
+
+    def report(self, pairs: int, counted: bool) -> dict[str, Any]:
+        """``{"pairs", "chosen", "rejected"}``; token figures are None when not ``counted``."""
+        out: dict[str, Any] = {"pairs": pairs}
+        for i, name in enumerate(("chosen", "rejected")):
+            toks = sorted(self.tokens[i])
+            side: dict[str, Any] = ({"total": sum(t * w for t, w in toks), **_distribution(toks)} if counted
+                                    else dict.fromkeys(("total", "p50", "p95", "max")))
+            side["chars"] = {**_distribution(sorted(self.chars[i])), "max": self.max_chars[i]}
+            out[name] = side
+        return out
 
 
 @dataclass
@@ -225,10 +143,15 @@ class Validator:
     examples: int = 0
     lines: int = 0
     exact_checks: int = 0
+    # CHAT or PREFERENCE: set by the first line that is a JSON object holding either's keys
+    format: str | None = field(default=None, init=False)
+    format_line: int | None = field(default=None, init=False)
     _seen: dict[bytes, int] = field(default_factory=dict)
-    _pending: list[tuple[int, list[dict[str, Any]], int, bool]] = field(default_factory=list)
+    # (line, conversations to count: 1 for chat, 2 for a pair, weight, is a pair)
+    _pending: list[tuple[int, list[list[dict[str, Any]]], int, bool]] = field(default_factory=list)
     _sample: list[tuple[int, int]] = field(default_factory=list)   # (tokens, weight)
     _assistant_tokens: int = 0
+    _sides: _Sides = field(default_factory=_Sides)
 
     def _error(self, line: int | None, kind: str, message: str) -> None:
         self.error_counts[kind] += 1
@@ -252,26 +175,51 @@ class Validator:
         raw = raw.rstrip(b"\r\n")
         if not raw or raw.isspace():
             return  # blank lines are ignored
-        fast = _fast_messages(raw)
-        messages: list[dict[str, Any]] | None
-        if fast is not None:
-            messages = None   # built only if a token count needs them
-            chars = sum(len(m.content) for m in fast)
-        else:
-            messages = self._detailed(lineno, raw)
-            if messages is None:
-                return
-            chars = sum(len(m["content"]) for m in messages)
-        if (b"\\ud" in raw or b"\\uD" in raw) and not _encodable(
-                messages or [{"role": m.role, "content": m.content} for m in fast or ()]):
-            # JSON may escape a lone UTF-16 surrogate (\ud800); no tokenizer can encode it
-            self._error(lineno, Kind.NOT_UTF8, "a string holds a lone surrogate escape (\\ud800-\\udfff): "
-                        "not valid Unicode")
+        fast = fast_messages(raw)
+        if fast is None:
+            self._feed_slow(lineno, raw)
             return
-        self._accept(lineno, raw, chars, messages, fast)
+        if self.format != CHAT and not self._set_format(lineno, CHAT):
+            return
+        if (b"\\ud" in raw or b"\\uD" in raw) and self._lone_surrogate(lineno, None, fast):
+            return
+        # the chat messages are built only if a token count needs them
+        self._accept(lineno, raw, sum(len(m.content) for m in fast), None, fast)
 
-    def _detailed(self, lineno: int, raw: bytes) -> list[dict[str, Any]] | None:
-        """The slow path: find and record the line's first problem (None), or its messages."""
+    def _feed_slow(self, lineno: int, raw: bytes) -> None:
+        """A line that is not a well-formed chat example: a preference pair, or a problem."""
+        example = (fast_pair(raw) if self.format == PREFERENCE else None) or self._detailed(lineno, raw)
+        if example is None:
+            return
+        if (b"\\ud" in raw or b"\\uD" in raw) and self._lone_surrogate(lineno, example, None):
+            return
+        if isinstance(example, Pair):
+            self._sides.add_chars(example, _sample_weight(self.examples))
+        self._accept(lineno, raw, _chars(example), example, None)
+
+    def _lone_surrogate(self, lineno: int, example: list[dict[str, Any]] | Pair | None,
+                        fast: list[FastMessage] | None) -> bool:
+        """Whether a string holds a lone UTF-16 surrogate (recorded as an error): JSON may
+        escape one (\\ud800), and no tokenizer can encode it."""
+        if encodable(_strings_of(example, fast)):
+            return False
+        self._error(lineno, Kind.NOT_UTF8, "a string holds a lone surrogate escape (\\ud800-\\udfff): "
+                    "not valid Unicode")
+        return True
+
+    def _set_format(self, lineno: int, fmt: str) -> bool:
+        """Let the line's format decide the file's if it is undecided; False (a recorded
+        mixed_format error) if the file is in the other format."""
+        if self.format is None:
+            self.format, self.format_line = fmt, lineno
+        elif fmt != self.format:
+            self._error(lineno, Kind.MIXED_FORMAT, f"a {fmt} example in a {self.format} file (the format "
+                        f"was set by line {self.format_line}); a file holds one format only")
+            return False
+        return True
+
+    def _detailed(self, lineno: int, raw: bytes) -> list[dict[str, Any]] | Pair | None:
+        """The slow path: find and record the line's first problem (None), or its example."""
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -285,14 +233,17 @@ class Validator:
         except RecursionError:
             self._error(lineno, Kind.NOT_JSON, "not valid JSON: nested too deeply")
             return None
+        fmt = format_of(obj)
+        if fmt is not None and not self._set_format(lineno, fmt):
+            return None
         try:
-            return check_example(obj)
+            return check_pair(obj) if self.format == PREFERENCE else check_example(obj)
         except LineError as e:
             self._error(lineno, e.kind, e.message)
             return None
 
-    def _accept(self, lineno: int, raw: bytes, chars: int, messages: list[dict[str, Any]] | None,
-                fast: list[_FastMessage] | None) -> None:
+    def _accept(self, lineno: int, raw: bytes, chars: int, example: list[dict[str, Any]] | Pair | None,
+                fast: list[FastMessage] | None) -> None:
         index = self.examples
         self.examples += 1
         digest = hashlib.blake2b(raw, digest_size=16).digest()
@@ -300,31 +251,53 @@ class Validator:
         if first != lineno:
             self._warn(lineno, Warn.DUPLICATE, f"exact duplicate of line {first}")
         if chars < SHORT_CHARS:
-            self._warn(lineno, Warn.VERY_SHORT,
-                       f"very short example (under {SHORT_CHARS} characters of content)")
+            what = "pair (prompt + shorter side under" if isinstance(example, Pair) else "example (under"
+            self._warn(lineno, Warn.VERY_SHORT, f"very short {what} {SHORT_CHARS} characters of content)")
         if self.counter is None:
             return
-        if messages is None:
-            messages = [{"role": m.role, "content": m.content} for m in fast or ()]
-        weight = 1 if index < EXACT_FIRST else (SAMPLE_EVERY if index % SAMPLE_EVERY == 0 else 0)
-        bound = self.counter.bound(messages) if weight == 0 else None
+        if isinstance(example, Pair):
+            convs = example.conversations()
+        else:
+            convs = [example or [{"role": m.role, "content": m.content} for m in fast or ()]]
+        weight = _sample_weight(index)
+        bound = self._bound(convs) if weight == 0 else None
         if weight or bound is None or bound > self.max_seq_len:
             # counted exactly: sampled for statistics, or possibly over the length limit
-            self._pending.append((lineno, messages, weight, True))
+            self._pending.append((lineno, convs, weight, isinstance(example, Pair)))
             if len(self._pending) >= TOKEN_BATCH:
                 self._count_tokens()
 
+    def _bound(self, convs: list[list[dict[str, Any]]]) -> int | None:
+        """The counter's bound on the longest of ``convs``; None if any has none."""
+        assert self.counter is not None
+        longest = 0
+        for conv in convs:
+            b = self.counter.bound(conv)
+            if b is None:
+                return None
+            longest = max(longest, b)
+        return longest
+
     def _count_tokens(self) -> None:
         assert self.counter is not None
-        counts = self.counter.count([m for _, m, _, _ in self._pending])
+        counts = self.counter.count([c for _, convs, _, _ in self._pending for c in convs])
         self.exact_checks += len(counts)
-        for (lineno, _, weight, _), (total, assistant) in zip(self._pending, counts, strict=True):
+        at = 0
+        for lineno, convs, weight, is_pair in self._pending:
+            got = counts[at:at + len(convs)]
+            at += len(convs)
             if weight:
-                self._sample.append((total, weight))
-                self._assistant_tokens += assistant * weight
-            if total > self.max_seq_len:
-                self._error(lineno, Kind.TOO_LONG, f"example is {total} tokens; the maximum "
+                self._sample.append((sum(t for t, _ in got), weight))
+                self._assistant_tokens += sum(a for _, a in got) * weight
+                if is_pair:
+                    for side, (total, _) in zip(self._sides.tokens, got, strict=True):
+                        side.append((total, weight))
+            longest = max(t for t, _ in got)
+            if longest > self.max_seq_len:
+                what = "prompt + longer side is" if is_pair else "example is"
+                self._error(lineno, Kind.TOO_LONG, f"{what} {longest} tokens; the maximum "
                             f"sequence length is {self.max_seq_len}")
+        assert at == len(counts), "the counter returned a count per conversation"
         self._pending.clear()
 
     def _token_stats(self) -> dict[str, Any] | None:
@@ -332,8 +305,7 @@ class Validator:
             return None
         pairs = sorted(self._sample)
         exact = self.examples <= EXACT_FIRST
-        return {"total": sum(t * w for t, w in pairs), "p50": _weighted_percentile(pairs, 0.5),
-                "p95": _weighted_percentile(pairs, 0.95), "max": pairs[-1][0] if pairs else 0,
+        return {"total": sum(t * w for t, w in pairs), **_distribution(pairs),
                 "assistant": self._assistant_tokens, "exact": exact,
                 "sampled_examples": len(pairs)}
 
@@ -356,8 +328,11 @@ class Validator:
         tokens = self._token_stats()
         stats: dict[str, Any] = {
             "lines": self.lines, "bytes": total_bytes, "examples": self.examples,
+            "format": self.format or CHAT,
             "tokenizer": self.counter.name if self.counter else None,
             "tokens": tokens,
+            "preference": (self._sides.report(self.examples, self.counter is not None)
+                           if self.format == PREFERENCE else None),
             "estimated_training_tokens": tokens["total"] * DEFAULT_EPOCHS if tokens else None,
             "estimated_epochs": DEFAULT_EPOCHS,
         }
@@ -370,6 +345,22 @@ class Validator:
             "max_seq_len": self.max_seq_len,
             "stats": stats,
         }
+
+
+def _strings_of(example: list[dict[str, Any]] | Pair | None,
+                fast: list[FastMessage] | None) -> list[dict[str, Any]]:
+    """The messages of an example, as dicts that hold every string to check for lone surrogates."""
+    if isinstance(example, Pair):
+        return [*example.prompt, {"content": example.chosen}, {"content": example.rejected}]
+    return example or [{"role": m.role, "content": m.content} for m in fast or ()]
+
+
+def _chars(example: list[dict[str, Any]] | Pair) -> int:
+    """Content characters of an example; of a pair, the prompt's and its shorter side's."""
+    if isinstance(example, Pair):
+        return sum(len(m["content"]) for m in example.prompt) + min(len(example.chosen),
+                                                                    len(example.rejected))
+    return sum(len(m["content"]) for m in example)
 
 
 class LineSplitter:

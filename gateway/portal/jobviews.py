@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 from gateway.jobs.state import ACTIVE, JobState
 from gateway.models import FineTuningJob, JobEvent
-from gateway.services.jobs import BASE_LEARNING_RATE, DEFAULT_EPOCHS, JobRequest
+from gateway.services.jobs import BASE_LEARNING_RATE, DEFAULT_EPOCHS, METHODS, JobRequest
 
 ACTIVE_STATES = frozenset(s.value for s in ACTIVE)
 BADGES: dict[str, str] = {JobState.VALIDATING_FILES: "wait", JobState.QUEUED: "wait",
@@ -26,6 +26,8 @@ class JobForm:
     """The create form's values as typed (strings), so a refused form comes back as it was sent."""
 
     model: str = ""
+    method: str = "supervised"
+    beta: str = ""
     training_file: str = ""
     validation_file: str = ""
     epochs: str = str(DEFAULT_EPOCHS)
@@ -57,12 +59,12 @@ def _int(raw: str, lo: int, hi: int) -> int | None:
     return value if lo <= value <= hi else None
 
 
-def _float(raw: str) -> float | None:
+def _float(raw: str, high: float = 1.0) -> float | None:
     try:
         value = float(raw.strip())
     except ValueError:
         return None
-    return value if 0 < value <= 1 else None
+    return value if 0 < value <= high else None
 
 
 def parse_job_form(raw: dict[str, str]) -> tuple[JobForm, JobRequest | None, dict[str, str]]:
@@ -84,6 +86,16 @@ def parse_job_form(raw: dict[str, str]) -> tuple[JobForm, JobRequest | None, dic
         errors["learning_rate"] = "Enter a number above 0 and at most 1, e.g. 0.0002."
     else:
         hp["learning_rate"] = lr
+    if form.method not in METHODS:
+        errors["method"] = "Choose supervised or DPO."
+    if form.beta and form.method != "dpo":
+        errors["beta"] = "Beta applies to DPO only: choose the DPO method, or leave it empty."
+    elif form.beta:
+        beta = _float(form.beta, 100.0)
+        if beta is None:
+            errors["beta"] = "Enter a number above 0 and at most 100, e.g. 0.1."
+        else:
+            hp["beta"] = beta
     if not form.model:
         errors["model"] = "Choose a base model."
     if not form.training_file:
@@ -97,7 +109,8 @@ def parse_job_form(raw: dict[str, str]) -> tuple[JobForm, JobRequest | None, dic
         return form, None, errors
     req = JobRequest(training_file=form.training_file, model=form.model,
                      validation_file=form.validation_file or None, hyperparameters=hp,
-                     suffix=form.suffix or None, idempotency_key=form.idempotency_key or None)
+                     suffix=form.suffix or None, idempotency_key=form.idempotency_key or None,
+                     method=form.method)
     return form, req, errors
 
 

@@ -51,6 +51,7 @@ OPENAI_HP = {"n_epochs": "epochs", "learning_rate_multiplier": "learning_rate_mu
              "batch_size": "batch_size"}
 BASE_LEARNING_RATE = 2e-4
 DEFAULT_EPOCHS = 3
+DEFAULT_BETA = 0.1     # DPO's (trainer.spec.Hyperparameters.beta; TRL's and OpenAI's default)
 MAX_EPOCHS = 100   # trainer.spec.Hyperparameters.epochs
 
 
@@ -72,12 +73,14 @@ class JobRequest:
     nodes: int = 1
     fsdp: bool = False      # shard the model over the ranks
     from_checkpoint: str | None = None   # "<job id>[:<step>]": continue from that job's checkpoint (Together's way)
+    method: str = "supervised"           # or "dpo": preference pairs (METHODS)
 
     def digest(self) -> str:
         """sha256 of the request without its idempotency key: a reused key must come with the same request."""
         # fields at their defaults that came later are left out: a retry of an older request keeps its digest
         fields = {k: v for k, v in self.__dict__.items()
-                  if k != "idempotency_key" and not (k in ("fsdp", "from_checkpoint") and not v)}
+                  if k != "idempotency_key" and not (k in ("fsdp", "from_checkpoint") and not v)
+                  and not (k == "method" and v == "supervised")}
         body = json.dumps(fields,
                           sort_keys=True, default=str)
         return hashlib.sha256(body.encode()).hexdigest()
@@ -175,7 +178,8 @@ _J = FineTuningJob.__table__.c  # type: ignore[attr-defined]
 JOB_VIEW = (_J.id, _J.tenant_id, _J.model, _J.parent_model, _J.created_at, _J.finished_at, _J.fine_tuned_model,
             _J.result_files, _J.status, _J.validation_file, _J.training_file, _J.hyperparameters, _J.trained_tokens,
             _J.error, _J.suffix, _J.seed, _J.estimated_finish, _J.expected_start, _J.meta, _J.slurm_job_id,
-            _J.attempt, _J.phase, _J.qos, _J.gpus, _J.nodes, _J.fsdp, _J.cleanup, _J.stop_confirmed_at, _J.progress)
+            _J.attempt, _J.phase, _J.qos, _J.gpus, _J.nodes, _J.fsdp, _J.cleanup, _J.stop_confirmed_at, _J.progress,
+            _J.method)
 _E = JobEvent.__table__.c  # type: ignore[attr-defined]
 EVENT_VIEW = (_E.id, _E.created_at, _E.level, _E.message, _E.data, _E.type)
 
@@ -251,6 +255,22 @@ def usable_file(session: Session, principal: Principal, file_id: str, param: str
                            f"(status 'processed') can be used for training ({row.status_details or ''})",
                            param=param, code="invalid_file")
     return row
+
+
+METHODS = {"supervised": "chat", "dpo": "preference"}
+"""Each training method and the dataset format it trains on (the upload validator's ``stats.format``)."""
+
+
+def _fits_method(row: DataFile, method: str, param: str) -> None:
+    """ServiceError (400, ``invalid_file``) unless file ``row`` holds the format ``method`` trains on; a file
+    validated before formats existed is chat."""
+    have = ((row.validation or {}).get("stats") or {}).get("format") or "chat"
+    want = METHODS[method]
+    if have != want:
+        what = {"chat": "chat conversations ({\"messages\": [...]})",
+                "preference": "preference pairs ({\"input\", \"preferred_output\", \"non_preferred_output\"})"}
+        raise ServiceError(f"{param} {row.id} holds {what[have]}, but a {method} job trains on {what[want]}",
+                           param=param, code="invalid_file")
 
 
 def _epochs(hp: dict[str, Any]) -> int:
@@ -376,6 +396,9 @@ def prepare_job(*, session: Session, settings: Settings, principal: Principal, r
     train = usable_file(session, principal, req.training_file, "training_file")
     val = usable_file(session, principal, req.validation_file, "validation_file") \
         if req.validation_file else None
+    for row, param in ((train, "training_file"), (val, "validation_file")):
+        if row is not None:
+            _fits_method(row, req.method, param)
     hp = build_hyperparameters(req.hyperparameters)
     model = _checkpoint_model(session, principal, req) if req.from_checkpoint else req.model
     parent, init = _parent(session, principal, model, hp) if model.startswith("ft:") else (None, None)
@@ -399,7 +422,7 @@ def prepare_job(*, session: Session, settings: Settings, principal: Principal, r
                         suffix=req.suffix, seed=req.seed, meta=req.metadata,
                         idempotency_key=req.idempotency_key, request_hash=req.digest(),
                         estimated_tokens=tokens, time_limit_min=minutes, gpus=req.gpus, nodes=req.nodes,
-                        fsdp=req.fsdp)
+                        fsdp=req.fsdp, method=req.method)
     spec = job_spec(settings, tenant_name, job, train, val, entry, init)  # validates hp before any row exists
     return job, spec
 
@@ -603,6 +626,7 @@ def job_spec(settings: Settings, tenant: str, job: FineTuningJob, train: DataFil
         **({"fsdp": True} if job.fsdp else {}),
         **({"init_adapter": {"path": layout.absolute(settings.storage_root, tenant, file_parts(init)),
                              "sha256": init.sha256}} if init is not None else {}),
+        **({"method": job.method} if job.method != "supervised" else {}),
         **({"fault_lr_blowup_at_step": settings.fault_lr_blowup_at_step} if settings.fault_lr_blowup_at_step else {}),
     }
     try:

@@ -19,9 +19,12 @@ from sqlmodel import Session
 from gateway.models import FineTuningJob, JobCheckpoint, utcnow
 from gateway.services.jobs import add_event, update_fields
 
-# trainer phases → the job's phase ("saving" is shown as the evaluating phase)
-PHASES = {"tokenizing": "tokenizing", "training": "training", "evaluating": "evaluating",
-          "saving": "evaluating"}
+DPO_EVAL = ("reward_margin", "reward_accuracy", "logp_accuracy", "chosen_reward", "rejected_reward")
+"""The eval record's DPO metrics (trainer.dpo.preference_metrics), kept in the job's progress."""
+
+# trainer phases → the job's phase ("saving", and DPO's "reference" pass, are shown as the evaluating phase)
+PHASES = {"tokenizing": "tokenizing", "reference": "evaluating", "training": "training",
+          "evaluating": "evaluating", "saving": "evaluating"}
 
 
 def ingest_events(*, session: Session, job: FineTuningJob, data: bytes) -> None:
@@ -100,12 +103,17 @@ def _one_event(s: Session, job: FineTuningJob, ev: dict[str, Any], progress: dic
     elif kind == "metrics":
         _metrics(s, job, ev, progress, changes)
     elif kind == "eval":
+        dpo = {k: _num(ev.get(k)) for k in DPO_EVAL if k in ev}
         progress.setdefault("evals", []).append(
             {**{k: ev.get(k) for k in ("when", "step", "loss", "perplexity", "token_accuracy")},
-             **({"loss_stderr": ev["loss_stderr"]} if "loss_stderr" in ev else {})})
-        add_event(s, job.id, f"Eval ({ev.get('when')}, step {_int(ev.get('step'))}): loss={_loss(ev.get('loss'))}",
-                  type_="metrics", data={"step": ev.get("step"), "valid_loss": ev.get("loss"),
-                                         "valid_mean_token_accuracy": ev.get("token_accuracy")})
+             **({"loss_stderr": ev["loss_stderr"]} if "loss_stderr" in ev else {}), **dpo})
+        extra = (f", reward accuracy={_loss(dpo.get('reward_accuracy'))}, "
+                 f"reward margin={_loss(dpo.get('reward_margin'))}") if dpo else ""
+        add_event(s, job.id, f"Eval ({ev.get('when')}, step {_int(ev.get('step'))}): loss={_loss(ev.get('loss'))}"
+                  f"{extra}", type_="metrics",
+                  data={"step": ev.get("step"), "valid_loss": ev.get("loss"),
+                        "valid_mean_token_accuracy": ev.get("token_accuracy"),
+                        **{f"valid_{k}": v for k, v in dpo.items()}})
     elif kind == "checkpoint":
         s.add(JobCheckpoint(job_id=job.id, attempt=_int(ev.get("attempt")) or 0, step=_int(ev.get("step")) or 0,
                             path=str(ev.get("path", "")),
@@ -138,7 +146,8 @@ def _metrics(s: Session, job: FineTuningJob, ev: dict[str, Any], progress: dict[
     if isinstance(step, int) and isinstance(total, int) and step > 0 and elapsed:
         left = max(0.0, min((total - step) * elapsed / step, 366 * 86400.0))
         changes["estimated_finish"] = utcnow() + timedelta(seconds=left)
+    dpo = {f"train_{k}": _num(ev.get(k)) for k in ("reward_margin", "reward_accuracy") if k in ev}
     add_event(s, job.id, f"Step {_int(step)}/{_int(total)}: training loss={_loss(ev.get('loss'))}",
               type_="metrics", data={"step": step, "total_steps": total,
                                      "train_loss": ev.get("loss"),
-                                     "tokens_per_s": ev.get("tokens_per_s")})
+                                     "tokens_per_s": ev.get("tokens_per_s"), **dpo})

@@ -82,15 +82,16 @@ def build_lineage(*, session: Session, settings: Settings, job: FineTuningJob, t
     reported: dict[str, Any] = raw_manifest if isinstance(raw_manifest, dict) else {}
     evaluation: dict[str, Any] = raw_eval if isinstance(raw_eval, dict) else {}
 
-    def loss(when: str) -> float | None:
+    def loss(when: str, key: str = "loss") -> float | None:
         part = evaluation.get(when)
-        value = part.get("loss") if isinstance(part, dict) else None
+        value = part.get(key) if isinstance(part, dict) else None
         return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
     seconds = reported.get("train_seconds")
     return {
         "base_model": {"name": job.model, "digest": job.model_digest},
         "parent": job.parent_model,
+        "method": job.method,
         "training_file": {"id": job.training_file, "sha256": train.sha256 if train else None},
         "validation_file": {"id": val.id, "sha256": val.sha256} if val else None,
         "hyperparameters": resolved, "seed": resolved["seed"],
@@ -101,7 +102,9 @@ def build_lineage(*, session: Session, settings: Settings, job: FineTuningJob, t
                   "gpus": job.gpus, "nodes": job.nodes, "fsdp": job.fsdp,
                   "training_gpu_seconds": round(seconds * job.gpus, 1) if isinstance(seconds, float) else None},
         "eval": {"before": loss("before"), "after": loss("after"),
-                 "best_step": evaluation.get("best_step") if isinstance(evaluation.get("best_step"), int) else None},
+                 "best_step": evaluation.get("best_step") if isinstance(evaluation.get("best_step"), int) else None,
+                 **({f"{key}_{when}": loss(when, key) for key in ("reward_accuracy", "reward_margin")
+                     for when in ("before", "after")} if job.method == "dpo" else {})},
         "results": {name: f"sha256:{sha}" for name, (_, sha) in results.items() if layout.is_main_result(name)},
         "checkpoints": sorted(({"step": step, "sha256": f"sha256:{sha}"} for name, (_, sha) in results.items()
                                if (step := layout.checkpoint_step_of(name)) is not None), key=lambda c: c["step"]),

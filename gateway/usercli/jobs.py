@@ -41,6 +41,11 @@ _JOB_OPTIONS = [
     click.option("--validation-file", help="File id of a processed validation dataset."),
     click.option("--model", required=True,
                  help="Base model from the catalog (`finetune models list`), or your ft:... model to train further."),
+    click.option("--method", type=click.Choice(["supervised", "dpo"]), default="supervised", show_default=True,
+                 help="supervised: chat data (SFT); dpo: preference pairs (input, preferred_output, "
+                      "non_preferred_output)."),
+    click.option("--beta", type=click.FloatRange(min=0, max=100, min_open=True),
+                 help="DPO only: how strongly the policy is held to the reference (default 0.1)."),
     click.option("--epochs", type=click.IntRange(1, 100)),
     click.option("--learning-rate-multiplier", type=click.FloatRange(min=0, min_open=True)),
     click.option("--lora-r", type=click.IntRange(1, 1024)),
@@ -66,15 +71,22 @@ def _job_options(f: Any) -> Any:
     return f
 
 
-def _job_body(training_file: str, validation_file: str | None, model: str, epochs: int | None,
+def _job_body(training_file: str, validation_file: str | None, model: str, method: str, beta: float | None,
+              epochs: int | None,
               learning_rate_multiplier: float | None, lora_r: int | None, batch_size_tokens: int | None,
               max_seq_len: int | None, suffix: str | None, seed: int | None, gpus: int | None, nodes: int | None,
               fsdp: bool, from_checkpoint: str | None, extra: tuple[str, ...]) -> dict[str, Any]:
     named = {"n_epochs": epochs, "learning_rate_multiplier": learning_rate_multiplier, "lora_r": lora_r,
              "batch_size_tokens": batch_size_tokens, "max_seq_len": max_seq_len}
     hp = {**{k: v for k, v in named.items() if v is not None}, **_parse_hp(extra)}
+    if beta is not None and method != "dpo":
+        raise click.UsageError("--beta is a DPO hyperparameter: add --method dpo")
+    if beta is not None:
+        hp["beta"] = beta
     body = {"model": model, "training_file": training_file, "validation_file": validation_file,
-            "hyperparameters": hp or None, "suffix": suffix, "seed": seed,
+            "hyperparameters": (hp or None) if method == "supervised" else None,
+            "method": {"type": "dpo", "dpo": {"hyperparameters": hp}} if method == "dpo" else None,
+            "suffix": suffix, "seed": seed,
             "resources": {"gpus": gpus or 1, "nodes": nodes or 1, "fsdp": fsdp} if gpus or nodes or fsdp else None,
             "from_checkpoint": from_checkpoint}
     return {k: v for k, v in body.items() if v is not None}
@@ -155,6 +167,13 @@ def progress_line(job: dict[str, Any], now: float | None = None) -> str:
     return "  ".join(parts)
 
 
+def _method_settings(j: dict[str, Any]) -> dict[str, Any]:
+    """The job's ``method.<type>`` object (its hyperparameters)."""
+    method = j.get("method") or {}
+    settings = method.get(method.get("type") or "supervised")
+    return settings if isinstance(settings, dict) else {}
+
+
 def _show_text(j: dict[str, Any]) -> None:
     rows = [("status", progress_line(j)), ("model", j["model"]),
             ("fine-tuned model", j.get("fine_tuned_model")), ("training file", j["training_file"]),
@@ -162,7 +181,8 @@ def _show_text(j: dict[str, Any]) -> None:
             ("attempt", j.get("attempt")), ("qos", j.get("qos")), ("created", _when(j.get("created_at"))),
             ("finished", _when(j.get("finished_at"))), ("trained tokens", j.get("trained_tokens")),
             ("cleanup", j.get("cleanup")), ("result files", ", ".join(j.get("result_files") or []) or None),
-            ("hyperparameters", json.dumps((j.get("method") or {}).get("supervised", {}).get("hyperparameters")))]
+            ("method", (j.get("method") or {}).get("type")),
+            ("hyperparameters", json.dumps(_method_settings(j).get("hyperparameters")))]
     click.echo(j["id"])
     for name, value in rows:
         if value not in (None, ""):

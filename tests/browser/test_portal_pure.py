@@ -44,6 +44,18 @@ def test_job_form_errors_name_the_field_and_keep_the_input() -> None:
     assert req.idempotency_key == "k1" and req.validation_file is None
 
 
+def test_job_form_carries_the_dpo_method_and_its_beta() -> None:
+    base = {"model": "tiny-chat", "training_file": "file-1", "epochs": "2", "learning_rate": "0.001", "lora_r": "8"}
+    _, req, errors = parse_job_form({**base, "method": "dpo", "beta": "0.2"})
+    assert errors == {} and req is not None and req.method == "dpo" and req.hyperparameters["beta"] == 0.2
+    _, req, errors = parse_job_form({**base, "method": "dpo"})
+    assert errors == {} and req is not None and "beta" not in req.hyperparameters
+    for raw, field in (({"beta": "0.2"}, "beta"), ({"method": "dpo", "beta": "-1"}, "beta"),
+                       ({"method": "rlhf"}, "method")):
+        _, req, errors = parse_job_form({**base, **raw})
+        assert req is None and set(errors) == {field}, (raw, errors)
+
+
 def test_loss_series_in_step_order_from_metric_events() -> None:
     evs = [JobEvent(job_id="j", message="", type="metrics", data={"step": 2, "train_loss": 1.5}),
            JobEvent(job_id="j", message="", type="metrics", data={"step": 2, "valid_loss": 1.7}),

@@ -108,3 +108,45 @@ def test_a_continued_job_points_the_trainer_at_its_parents_adapter_tar(tmp_path:
     assert parsed.init_adapter is not None and parsed.init_adapter.sha256 == "c" * 64
     assert parsed.init_adapter.path == str(tmp_path / "tenants" / "acme" / "artifacts" / ART / "adapter.tar")
     assert "init_adapter" not in _spec(tmp_path)    # a fresh job: the spec (and its hash) as before
+
+
+def _dpo_spec(tmp_path: Path, hp: dict[str, object]) -> dict[str, object]:
+    s = Settings(storage_root=tmp_path, database_url="sqlite://")
+    train = DataFile(id="file-1", tenant_id=1, filename="p.jsonl", bytes=10, sha256=SHA)
+    job = FineTuningJob(id="ftjob-" + "f" * 24, tenant_id=1, training_file="file-1", model="tiny-chat",
+                        hyperparameters=build_hyperparameters(hp), method="dpo")
+    return job_spec(s, "acme", job, train, None, ENTRY)
+
+
+def test_a_dpo_job_tells_the_trainer_its_method_and_beta(tmp_path: Path) -> None:
+    from gateway.services.jobs import DEFAULT_BETA
+    from trainer.spec import Hyperparameters
+
+    spec = _dpo_spec(tmp_path, {"beta": 0.25, "n_epochs": 2})
+    parsed = parse_spec(spec)
+    assert parsed.method == "dpo" and parsed.hyperparameters.beta == 0.25
+    assert parse_spec(_dpo_spec(tmp_path, {})).hyperparameters.beta == DEFAULT_BETA
+    assert DEFAULT_BETA == Hyperparameters.model_fields["beta"].default
+    sft = _spec(tmp_path)
+    assert "method" not in sft and "beta" not in sft["hyperparameters"]   # a supervised spec's hash as before
+    assert spec_hash(parsed) != spec_hash(parse_spec(_dpo_spec(tmp_path, {"beta": 0.5, "n_epochs": 2})))
+
+
+@pytest.mark.parametrize(("hp", "method", "words"), [
+    ({"beta": 0.2}, "supervised", "beta is a DPO hyperparameter"),
+    ({"max_seq_len": 2048, "batch_size_tokens": 3000}, "dpo", "must be >= 2 * max_seq_len"),
+    ({"beta": 0}, "dpo", "beta"),
+])
+def test_dpo_settings_that_cannot_train_are_a_clear_400(tmp_path: Path, hp: dict[str, object], method: str,
+                                                        words: str) -> None:
+    with pytest.raises(ServiceError) as e:
+        _dpo_spec(tmp_path, hp) if method == "dpo" else _spec(tmp_path, hp)
+    assert e.value.param == "hyperparameters" and words in str(e.value)
+
+
+def test_a_supervised_request_keeps_its_idempotency_digest() -> None:
+    from gateway.services.jobs import JobRequest
+
+    plain = JobRequest(training_file="file-1", model="tiny-chat")
+    assert plain.digest() == JobRequest(training_file="file-1", model="tiny-chat", method="supervised").digest()
+    assert plain.digest() != JobRequest(training_file="file-1", model="tiny-chat", method="dpo").digest()
