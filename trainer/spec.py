@@ -234,6 +234,9 @@ def _describe(error: Any) -> str:
         return f"{field}: unknown key; valid keys here are: {valid}"
     if error["type"] == "missing":
         return f"{field}: required field is missing"
+    if error["type"] == "value_error":  # our validators' own sentences (they name their fields)
+        text = str(error["msg"]).removeprefix("Value error, ")
+        return text if not loc else f"{field}: {text}"
     message = f"{field}: {error['msg']}"
     bounds = _range_of(loc)
     if bounds and error["type"] in _RANGE_ERRORS:
