@@ -12,6 +12,7 @@ import json
 import math
 import random
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -101,13 +102,13 @@ def _validate_line(obj: Any, where: str) -> tuple[list[dict[str, str]], list[int
     return clean, weights
 
 
-def read_conversations(path: str | Path, what: str) -> list[Conversation]:
-    """Read and validate every line of a chat JSONL file (blank lines are skipped).
+def read_jsonl(path: str | Path, what: str) -> Iterator[tuple[int, Any, str]]:
+    """Yield ``(line number, decoded JSON, "<what> dataset line <n>")`` for every non-blank line.
 
     Raises:
-        DatasetError: naming the first invalid line (never its text).
+        DatasetError: the file is unreadable, or a line is not UTF-8 or not JSON (naming the
+            line, never its text).
     """
-    conversations: list[Conversation] = []
     try:
         with open(path, "rb") as f:
             for number, raw in enumerate(f, start=1):
@@ -122,10 +123,18 @@ def read_conversations(path: str | Path, what: str) -> list[Conversation]:
                     obj = json.loads(text)
                 except json.JSONDecodeError as e:
                     raise DatasetError(f"{where}: not valid JSON (column {e.colno})") from e
-                messages, weights = _validate_line(obj, where)
-                conversations.append(Conversation(number, messages, weights))
+                yield number, obj, where
     except OSError as e:
         raise DatasetError(f"{what} dataset {path}: cannot read ({e.strerror})") from e
+
+
+def read_conversations(path: str | Path, what: str) -> list[Conversation]:
+    """Read and validate every line of a chat JSONL file (blank lines are skipped).
+
+    Raises:
+        DatasetError: naming the first invalid line (never its text).
+    """
+    conversations = [Conversation(number, *_validate_line(obj, where)) for number, obj, where in read_jsonl(path, what)]
     if not conversations:
         raise DatasetError(f"{what} dataset {path}: no examples")
     return conversations

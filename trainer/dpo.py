@@ -31,14 +31,13 @@ rejected one under the policy alone).
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.data import ROLES, ChatTokenizer, Conversation, tokenize_conversation
+from trainer.data import ROLES, ChatTokenizer, Conversation, read_jsonl, tokenize_conversation
 from trainer.errors import DatasetError
 from trainer.packing import Example, Row, build_row, pack
 
@@ -126,25 +125,7 @@ def read_pairs(path: str | Path, what: str) -> list[Preference]:
     Raises:
         DatasetError: naming the first invalid line (never its text).
     """
-    pairs: list[Preference] = []
-    try:
-        with open(path, "rb") as f:
-            for number, raw in enumerate(f, start=1):
-                where = f"{what} dataset line {number}"
-                try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise DatasetError(f"{where}: not valid UTF-8") from e
-                if not text.strip():
-                    continue
-                try:
-                    obj = json.loads(text)
-                except json.JSONDecodeError as e:
-                    raise DatasetError(f"{where}: not valid JSON (column {e.colno})") from e
-                prompt, chosen, rejected = _validate_line(obj, where)
-                pairs.append(Preference(number, prompt, chosen, rejected))
-    except OSError as e:
-        raise DatasetError(f"{what} dataset {path}: cannot read ({e.strerror})") from e
+    pairs = [Preference(number, *_validate_line(obj, where)) for number, obj, where in read_jsonl(path, what)]
     if not pairs:
         raise DatasetError(f"{what} dataset {path}: no preference pairs")
     return pairs
@@ -291,23 +272,29 @@ def accumulate_pair_gradients(model: Any, rows: list[PairRow], total_pairs: int,
     return sums
 
 
-def eval_pair_sums(model: Any, rows: list[PairRow], reference: torch.Tensor, beta: float,
-                   check: Callable[[], None] | None = None) -> PreferenceSums:
-    """The sums of :class:`PreferenceSums` over ``rows`` without gradients (``check`` before each row)."""
+def _scored(model: Any, rows: list[PairRow], check: Callable[[], None] | None) -> Iterator[tuple[PairRow, Any]]:
+    """Yield each row with its ``(pairs, 2)`` log-probabilities, in eval mode without gradients
+    (``check`` before each row; train mode again afterwards)."""
     import torch
 
-    sums = PreferenceSums()
     model.eval()
     try:
         with torch.no_grad():
             for row in rows:
                 if check is not None:
                     check()
-                policy = _row_policy(model, row)
-                loss, rewards = dpo_terms(policy, reference[row.pairs], beta)
-                sums.add(loss, rewards, policy, row.row.n_targets)
+                yield row, _row_policy(model, row)
     finally:
         model.train()
+
+
+def eval_pair_sums(model: Any, rows: list[PairRow], reference: torch.Tensor, beta: float,
+                   check: Callable[[], None] | None = None) -> PreferenceSums:
+    """The sums of :class:`PreferenceSums` over ``rows`` without gradients (``check`` before each row)."""
+    sums = PreferenceSums()
+    for row, policy in _scored(model, rows, check):
+        loss, rewards = dpo_terms(policy, reference[row.pairs], beta)
+        sums.add(loss, rewards, policy, row.row.n_targets)
     return sums
 
 
@@ -318,13 +305,6 @@ def reference_logps(model: Any, rows: list[PairRow], n_pairs: int, check: Callab
     import torch
 
     out = torch.zeros(n_pairs, 2, dtype=torch.float32)
-    model.eval()
-    try:
-        with torch.no_grad():
-            for row in rows:
-                if check is not None:
-                    check()
-                out[row.pairs] = _row_policy(model, row).float().cpu()
-    finally:
-        model.train()
+    for row, policy in _scored(model, rows, check):
+        out[row.pairs] = policy.float().cpu()
     return out

@@ -344,6 +344,7 @@ class Recipe:
                 tensors = torch.load(path / "state.pt", weights_only=True, map_location="cpu")
                 has_best = state.get("best_step") is not None
                 best = load_safetensors((path / "best.safetensors").read_bytes()) if has_best else None
+                reference = tensors["reference"] if self.preference else None
             except (OSError, ValueError, KeyError, RuntimeError) as e:
                 log.warning("checkpoint %s unreadable (%s); trying an older one", path.name, type(e).__name__)
                 continue
@@ -366,8 +367,7 @@ class Recipe:
                 state.get("stopped_early", False),
             )
             self.best_adapter = best
-            if self.preference:
-                self.reference = tensors["reference"]
+            self.reference = reference
             self.last_checkpoint_step = step
             log.info("resumed from checkpoint step %d", step)
             self.events.emit("start", resumed_from_step=step)
