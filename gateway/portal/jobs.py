@@ -72,6 +72,12 @@ def new_job(request: Request, session: SessionDep, settings: SettingsDep, user: 
     if not form.training_file:
         files = _usable_files(session, user)
         form.training_file = files[0].id if files else ""
+    if form.training_file:   # the method the chosen file's format trains with
+        try:
+            form.method = svc.method_for(files_svc.get_file(session=session, principal=user.principal,
+                                                            file_id=form.training_file))
+        except NotFound:
+            pass
     return _form_page(request, session, settings, user, form)
 
 
@@ -98,7 +104,8 @@ def _estimate(request: Request, session: Session, settings: Settings, user: Port
         try:
             dry = svc.estimate_job(session=session, settings=settings, principal=user.principal, submit=submitter,
                                    req=svc.JobRequest(training_file=file_id, model=model,
-                                                      hyperparameters={"n_epochs": epochs}))
+                                                      hyperparameters={"n_epochs": epochs},
+                                                      method=svc.method_for(train)))
             start, reason = dry.get("expected_start"), dry.get("start_detail")
         except (ServiceError, KeyError):
             pass

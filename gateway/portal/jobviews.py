@@ -123,8 +123,13 @@ def progress_view(job: FineTuningJob) -> dict[str, Any]:
         pct = min(100, round(100 * step / total))
     if job.status == JobState.SUCCEEDED:
         pct = 100
+    evals = {e.get("when"): e for e in p.get("evals") or [] if isinstance(e, dict)}
+    preference = None
+    if job.method == "dpo" and "before" in evals:   # held-out reward accuracy and margin, before -> after
+        preference = {when: {k: evals[when].get(k) for k in ("reward_accuracy", "reward_margin")}
+                      for when in ("before", "after") if when in evals}
     return {"step": step, "total": total, "pct": pct, "loss": p.get("loss"),
-            "tokens_per_s": p.get("tokens_per_s"), "epoch": p.get("epoch")}
+            "tokens_per_s": p.get("tokens_per_s"), "epoch": p.get("epoch"), "preference": preference}
 
 
 def job_events(events: list[JobEvent]) -> list[JobEvent]:

@@ -261,11 +261,16 @@ METHODS = {"supervised": "chat", "dpo": "preference"}
 """Each training method and the dataset format it trains on (the upload validator's ``stats.format``)."""
 
 
+def method_for(row: DataFile) -> str:
+    """The method that trains on file ``row``'s format (a file validated before formats existed is chat)."""
+    have = ((row.validation or {}).get("stats") or {}).get("format") or "chat"
+    return next(method for method, fmt in METHODS.items() if fmt == have)
+
+
 def _fits_method(row: DataFile, method: str, param: str) -> None:
     """ServiceError (400, ``invalid_file``) unless file ``row`` holds the format ``method`` trains on; a file
     validated before formats existed is chat."""
-    have = ((row.validation or {}).get("stats") or {}).get("format") or "chat"
-    want = METHODS[method]
+    have, want = METHODS[method_for(row)], METHODS[method]
     if have != want:
         what = {"chat": "chat conversations ({\"messages\": [...]})",
                 "preference": "preference pairs ({\"input\", \"preferred_output\", \"non_preferred_output\"})"}

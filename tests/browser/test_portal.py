@@ -141,6 +141,41 @@ def test_cancel_running_job(browser: Any, gateway: Any, tmp_path: Path) -> None:
     a.close()
 
 
+def test_dpo_job_from_a_preference_file(browser: Any, gateway: Any, tmp_path: Path) -> None:
+    """A preference file is shown as one; the new-job form preselects DPO for it; the job trains and its
+    page shows the method and the held-out preference accuracy and reward margin, before -> after."""
+    from trainer.toydata import toy_preferences, write_jsonl
+
+    a = Portal(browser, gateway.url, gateway.tokens[TENANT_A])
+    file_id = upload(a, write_jsonl(tmp_path / "pairs.jsonl", toy_preferences(120, seed=4)))
+    page = a.page
+    assert page.locator("#dataset-format").inner_text() == "preference pairs (DPO)"
+    assert page.locator("#pref-chosen").inner_text() != "– / –"
+    a.shot("11-preference-dataset")
+    a.goto(f"/portal/jobs/new?training_file={file_id}")
+    assert page.get_by_label("Method").input_value() == "dpo"
+    page.get_by_label("DPO beta").fill("0.1")
+    page.get_by_label("Epochs").fill("2")
+    page.get_by_label("Learning rate").fill("0.01")
+    page.get_by_label("LoRA rank").fill("8")
+    page.get_by_text("Advanced").click()
+    page.get_by_label("Tokens per batch").fill("768")
+    page.get_by_label("Max sequence length").fill("256")
+    page.get_by_label("Checkpoint every N steps").fill("4")
+    page.wait_for_function("document.getElementById('est-start').textContent.trim() !== '–'")
+    assert page.locator("#est-start").inner_text() == "now"   # the dry run took the file as DPO's
+    a.shot("12-new-dpo-job")
+    submit_job(a)
+    wait_status(a, "succeeded", 240)
+    assert page.locator("#job-method").inner_text() == "DPO (beta 0.1)"
+    shown = page.locator("#job-preference").inner_text()
+    before, after = (part.split(" / ") for part in shown.split(" → "))
+    print(f"\nportal DPO job: preference accuracy / reward margin {shown}")
+    assert before == ["0.50", "0.000"] and float(after[0]) > 0.8 and float(after[1]) > 0.5
+    a.shot("13-dpo-job-succeeded")
+    a.close()
+
+
 def test_bad_dataset_shows_line_numbered_errors(browser: Any, gateway: Any) -> None:
     a = Portal(browser, gateway.url, gateway.tokens[TENANT_A])
     upload(a, DATASETS / "bad_role.jsonl")

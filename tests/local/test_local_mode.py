@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from trainer.toydata import toy_conversations, write_jsonl
+from trainer.toydata import toy_conversations, toy_preferences, write_jsonl
 
 pytestmark = pytest.mark.local
 
@@ -172,6 +172,23 @@ def test_upload_job_cancel_another_succeeds_download_and_load(user: LocalUser, g
         "print(len(b), max(float(p.abs().max()) for p in b))"))
     n, biggest = loaded.split()
     assert int(n) > 0 and float(biggest) > 0        # LoRA B starts at zero: these were trained
+
+
+def test_a_dpo_job_in_local_mode(user: LocalUser, gateway: tuple[str, Path]) -> None:
+    """Preference tuning needs nothing of Slurm: upload pairs, --method dpo, follow to succeeded."""
+    pairs = write_jsonl(user.home / "pairs.jsonl", toy_preferences(120, seed=5))
+    os.chmod(pairs, 0o644)
+    up = user.json("finetune", "files", "upload", str(pairs))
+    assert up["validation"]["stats"]["format"] == "preference"
+    job = user.json("finetune", "jobs", "create", "--training-file", up["id"], "--model", "tiny-chat",
+                    "--method", "dpo", "--beta", "0.1", "--epochs", "2", "--learning-rate-multiplier", "50",
+                    "--batch-size-tokens", "768", "--max-seq-len", "256")
+    assert job["method"]["type"] == "dpo"
+    assert "succeeded" in user.ok("finetune", "jobs", "follow", job["id"], timeout=600)
+    evals = {e["when"]: e for e in user.json("finetune", "jobs", "show", job["id"])["progress"]["evals"]}
+    print(f"\nlocal DPO: held-out reward accuracy {evals['before']['reward_accuracy']} -> "
+          f"{evals['after']['reward_accuracy']}, margin {evals['after']['reward_margin']:.3f}")
+    assert evals["before"]["reward_accuracy"] == 0.5 and evals["after"]["reward_accuracy"] > 0.8
 
 
 def test_demo_local_tiny_runs_end_to_end_and_its_next_commands_work(user: LocalUser) -> None:
