@@ -311,11 +311,9 @@ class Recipe:
         self.events.phase("reference")
         out = {}
         for name, pairs in (("train", self.train_examples), ("validation", self.val_examples)):
-            rows = self._pair_rows(pairs)
-            mine = dpo.reference_logps(self.model, rows[self.world.rank :: self.world.size], len(pairs),
-                                       self.check_stop)
-            for _ in range(-(-len(rows) // self.world.size) - len(rows[self.world.rank :: self.world.size])):
-                self.check_stop()  # as many stop agreements as the ranks with one row more
+            mine_rows, short = self._share(self._pair_rows(pairs))
+            mine = dpo.reference_logps(self.model, mine_rows, len(pairs), self.check_stop)
+            self._pad_stop_checks(short)
             summed = self.world.sum_floats(mine.reshape(-1).tolist())
             out[name] = torch.tensor(summed, dtype=torch.float32).reshape(-1, 2) if pairs else mine
         log.info("reference log-probabilities of %d train / %d validation pairs",
@@ -528,15 +526,13 @@ class Recipe:
             result.update(self._preference_eval())
             return self._record_eval(when, result)
         rows = micro_batches(self.val_examples, self.hp.max_seq_len)
-        mine = rows[self.world.rank :: self.world.size]
-        short = -(-len(rows) // self.world.size) - len(mine)
+        mine, short = self._share(rows)
         if self.world.sharded and rows:  # FSDP: as many forwards (and stop agreements) on every rank
             with self.world.collectives("eval"):
                 sums = eval_sums(self.model, mine, self.check_stop, rows[0], short)
         else:
             sums = eval_sums(self.model, mine, self.check_stop)
-            for _ in range(short):
-                self.check_stop()  # as many stop agreements as the ranks with one row more
+            self._pad_stop_checks(short)
         total, tokens, correct, s1, s2, n = self.world.sum_floats([float(x) for x in sums])
         result.update(eval_metrics(total, int(tokens), int(correct), len(self.val_examples), (s1, s2, int(n))))
         return self._record_eval(when, result)
@@ -544,13 +540,22 @@ class Recipe:
     def _preference_eval(self) -> dict[str, Any]:
         """DPO: the validation pairs' metrics (:func:`trainer.dpo.preference_metrics`), rows sharded over ranks."""
         assert self.reference is not None
-        rows = self._pair_rows(self.val_examples)
-        mine = rows[self.world.rank :: self.world.size]
+        mine, short = self._share(self._pair_rows(self.val_examples))
         sums = dpo.eval_pair_sums(self.model, mine, self.reference["validation"], self.hp.beta, self.check_stop)
-        for _ in range(-(-len(rows) // self.world.size) - len(mine)):
-            self.check_stop()
+        self._pad_stop_checks(short)
         metrics = dpo.preference_metrics(dpo.PreferenceSums.from_list(self.world.sum_floats(sums.as_list())))
         return {**metrics, "examples": len(self.val_examples)}
+
+    def _share(self, rows: list[Any]) -> tuple[list[Any], int]:
+        """This rank's rows of an eval-like pass (``rank, rank + size, ...``) and how many fewer it has
+        than the ranks with the most."""
+        mine = rows[self.world.rank :: self.world.size]
+        return mine, -(-len(rows) // self.world.size) - len(mine)
+
+    def _pad_stop_checks(self, short: int) -> None:
+        """As many stop agreements as the ranks with ``short`` rows more make (every rank agrees as often)."""
+        for _ in range(short):
+            self.check_stop()
 
     def _record_eval(self, when: str, result: dict[str, Any]) -> dict[str, Any]:
         self.progress.evals.append(result)

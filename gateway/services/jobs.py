@@ -261,16 +261,20 @@ METHODS = {"supervised": "chat", "dpo": "preference"}
 """Each training method and the dataset format it trains on (the upload validator's ``stats.format``)."""
 
 
+def _file_format(row: DataFile) -> str:
+    """File ``row``'s format as its validation found it (a file validated before formats existed is chat)."""
+    return str(((row.validation or {}).get("stats") or {}).get("format") or "chat")
+
+
 def method_for(row: DataFile) -> str:
-    """The method that trains on file ``row``'s format (a file validated before formats existed is chat)."""
-    have = ((row.validation or {}).get("stats") or {}).get("format") or "chat"
+    """The method that trains on file ``row``'s format."""
+    have = _file_format(row)
     return next(method for method, fmt in METHODS.items() if fmt == have)
 
 
 def _fits_method(row: DataFile, method: str, param: str) -> None:
-    """ServiceError (400, ``invalid_file``) unless file ``row`` holds the format ``method`` trains on; a file
-    validated before formats existed is chat."""
-    have, want = METHODS[method_for(row)], METHODS[method]
+    """ServiceError (400, ``invalid_file``) unless file ``row`` holds the format ``method`` trains on."""
+    have, want = _file_format(row), METHODS[method]
     if have != want:
         what = {"chat": "chat conversations ({\"messages\": [...]})",
                 "preference": "preference pairs ({\"input\", \"preferred_output\", \"non_preferred_output\"})"}
