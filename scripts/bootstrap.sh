@@ -11,7 +11,7 @@ PREFIX="${SFT_RUNTIME_PREFIX:-/opt/slurm-finetune}"
 VENV="$PREFIX/venv"
 TORCH_SPEC="${SFT_TORCH_SPEC:-torch==2.13.0}"   # the CPU wheel; set a CUDA build on GPU nodes
 APT_PACKAGES=(python3-venv python3-dev slurm-wlm slurmctld slurmd slurmdbd slurm-client munge
-              mariadb-server libpmix-dev openssh-server postgresql chromium wrk)
+              mariadb-server libpmix-dev openssh-server postgresql chromium wrk dnsmasq-base)
 
 if [ "$(id -u)" != 0 ]; then
     echo "bootstrap: run as root (it installs Debian packages and writes $PREFIX)" >&2

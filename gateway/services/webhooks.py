@@ -12,9 +12,14 @@ after ``webhook_retry_base_s`` x 2^(n-1), up to ``webhook_max_attempts``. The lo
 is the tenant's to read.
 
 URLs (``check_url``), at registration and again before every delivery (DNS may change):
-http or https, no credentials; every address the host resolves to must be public (not
-loopback, link-local, private, multicast or reserved) unless the host is in the site's
-``webhook_allowed_hosts``. Redirects are not followed.
+http or https, no credentials; every address the host resolves to must be public
+(``netguard.refusal``'s deny list: loopback, private, link-local, CGNAT, NAT64, site-local,
+multicast, reserved, documentation, ...) unless the host is in the site's
+``webhook_allowed_hosts``. A delivery resolves the host once (``dial_addresses``) and connects to
+exactly the addresses it checked (``netguard.PinnedTransport``, keeping the URL's Host, SNI and
+certificate name), so a name that answers a public address to the check and 127.0.0.1 next
+reaches nothing internal. A refusal names the host, never what it resolved to (that would map
+the site's internal DNS for a tenant); the site's log has the address. Redirects are not followed.
 """
 
 from __future__ import annotations
@@ -22,16 +27,15 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-import ipaddress
 import json
 import logging
 import secrets
-import socket
 import time
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 from sqlmodel import Session, col, select
 
 from gateway.access import audit
@@ -40,6 +44,7 @@ from gateway.config import Settings
 from gateway.errors import NotFound, ServiceError
 from gateway.jobs.state import DeliveryState, JobState
 from gateway.models import FineTuningJob, Tenant, WebhookDelivery, WebhookEndpoint, utcnow
+from gateway.services import netguard
 
 log = logging.getLogger(__name__)
 
@@ -48,33 +53,48 @@ EVENTS = {JobState.SUCCEEDED: "fine_tuning.job.succeeded", JobState.FAILED: "fin
 MAX_ENDPOINTS = 10       # per tenant
 
 
+def _target(url: str) -> tuple[str, int]:
+    """(host, port) of an http(s) URL without credentials; ServiceError (400, ``url``) otherwise."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        port = 0
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.username or parts.password \
+            or not port:
+        raise ServiceError("url must be http(s)://host[:port]/path, without credentials", param="url")
+    return parts.hostname, port
+
+
+def _checked(host: str, port: int) -> list[netguard.IPAddress]:
+    try:
+        return netguard.public_addresses(host, port)
+    except netguard.NotPublic as e:
+        log.warning("webhook url refused: %s", e)      # the address, for the site only
+        raise ServiceError(f"url: {host} is not a public address; this site sends webhooks only to hosts "
+                           "whose every address is public, unless its administrator allows the host",
+                           param="url") from None
+
+
 def check_url(url: str, settings: Settings) -> str:
     """``url`` if the gateway may POST to it (see the module doc); ServiceError (400, ``url``) otherwise."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.username or parts.password:
-        raise ServiceError("url must be http(s)://host[:port]/path, without credentials", param="url")
-    host = parts.hostname
-    if host in settings.webhook_allowed_hosts:
-        return url
-    try:
-        infos = socket.getaddrinfo(host, parts.port or (443 if parts.scheme == "https" else 80),
-                                   proto=socket.IPPROTO_TCP)
-    except (socket.gaierror, UnicodeError):
-        raise ServiceError(f"url: {host} does not resolve", param="url") from None
-    for info in infos:
-        addr = ipaddress.ip_address(info[4][0])
-        if not addr.is_global or addr.is_multicast:
-            raise ServiceError(f"url: {host} is a {_kind(addr)} address ({addr}); this site sends webhooks "
-                               "to public addresses only, unless its administrator allows the host",
-                               param="url")
+    host, port = _target(url)
+    if host not in settings.webhook_allowed_hosts:
+        _checked(host, port)
     return url
 
 
-def _kind(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
-    for kind in ("loopback", "link_local", "private", "multicast", "reserved", "unspecified"):
-        if getattr(addr, f"is_{kind}"):
-            return kind.replace("_", "-")
-    return "non-public"
+def dial_addresses(url: str, settings: Settings) -> list[netguard.IPAddress]:
+    """The addresses a delivery to ``url`` connects to, resolved once: each checked public, or
+    unchecked for a host in ``webhook_allowed_hosts``; ServiceError (``url``) when there are none
+    the gateway may use."""
+    host, port = _target(url)
+    if host not in settings.webhook_allowed_hosts:
+        return _checked(host, port)
+    try:
+        return netguard.resolve(host, port)
+    except netguard.NotPublic:
+        raise ServiceError(f"url: {host} does not resolve", param="url") from None
 
 
 def register(*, session: Session, settings: Settings, principal: Principal, url: str) -> WebhookEndpoint:
@@ -156,8 +176,6 @@ def sign(secret: str, msg_id: str, timestamp: int, body: str) -> str:
 
 def deliver_due(engine: Any, settings: Settings, limit: int = 20) -> int:
     """POST the due deliveries (oldest first, at most ``limit``); returns how many were delivered."""
-    import httpx
-
     done = 0
     with Session(engine) as s:
         due = list(s.exec(select(WebhookDelivery).where(WebhookDelivery.status == DeliveryState.PENDING,
@@ -174,13 +192,14 @@ def deliver_due(engine: Any, settings: Settings, limit: int = 20) -> int:
             ts = int(time.time())
             d.attempts += 1
             try:
-                check_url(ep.url, settings)
-                r = httpx.post(ep.url, content=d.body.encode(), timeout=settings.webhook_timeout_s,
-                               follow_redirects=False,
-                               headers={"content-type": "application/json", "webhook-id": d.id,
-                                        "webhook-timestamp": str(ts), "webhook-signature": sign(ep.secret, d.id, ts,
-                                                                                                d.body),
-                                        "user-agent": "slurm-finetune-webhooks"})
+                transport = netguard.PinnedTransport(dial_addresses(ep.url, settings))
+                with httpx.Client(transport=transport, timeout=settings.webhook_timeout_s, follow_redirects=False,
+                                  trust_env=False) as client:
+                    r = client.post(ep.url, content=d.body.encode(),
+                                    headers={"content-type": "application/json", "webhook-id": d.id,
+                                             "webhook-timestamp": str(ts),
+                                             "webhook-signature": sign(ep.secret, d.id, ts, d.body),
+                                             "user-agent": "slurm-finetune-webhooks"})
                 d.last_status, d.last_error = r.status_code, None if r.is_success else f"HTTP {r.status_code}"
                 ok = r.is_success
             except (httpx.HTTPError, ServiceError) as e:
