@@ -6,6 +6,7 @@ The schema is created and upgraded only by Alembic migrations
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -58,29 +59,58 @@ def make_engine(url: str) -> Engine:
     return sa.create_engine(url, pool_pre_ping=True, pool_size=20, max_overflow=10, json_deserializer=json_loads)
 
 
+SIDE_FILES = ("-wal", "-shm", "-journal")      # SQLite opens these by name beside the database
+
+
+class UnsafeDatabaseFile(ValueError):
+    """The database path or one of its side files is a link or not a regular file."""
+
+
+def _refuse_unsafe(path: Path, p: Path, what: str) -> UnsafeDatabaseFile:
+    return UnsafeDatabaseFile(
+        f"refusing to open the database {path}: {p} is {what}, not a file of the database. Whoever may "
+        f"write {path.parent} could have planted it to point this process at another file: remove it "
+        "and find out who made it (a database elsewhere is named by its real path in SFT_DATABASE_URL)")
+
+
 def _private_db_file(path: Path) -> None:
     """All tenants' metadata and the audit log live here: the database file is created 0600 in a
-    0700 directory; a file of ours (database, WAL, SHM) that others can read is tightened; and
-    root (the admin CLI, the demo, the tests) working on a database in the service user's state
+    0700 directory; a file of ours (database, WAL, SHM, journal) that others can read is tightened;
+    and root (the admin CLI, the demo, the tests) working on a database in the service user's state
     dir leaves its files to that dir's owner (SQLite, as root, gives WAL/SHM files it creates the
-    database file's owner). Everything goes through ``O_NOFOLLOW`` fds: the state dir's owner
-    cannot point root at another file with a link."""
+    database file's owner). Everything goes through ``O_NOFOLLOW`` fds, and a link or anything but a
+    regular file at the database's path or a side file's raises UnsafeDatabaseFile before SQLite
+    opens any of them (it would follow a link at the database's path, as root too): the state dir's
+    owner cannot point root at another file."""
     if not path.parent.exists():
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     parent = os.stat(path.parent)
-    for p, create in ((path, True), (path.with_name(path.name + "-wal"), False),
-                      (path.with_name(path.name + "-shm"), False)):
+    for p in (path, *(path.with_name(path.name + s) for s in SIDE_FILES)):
+        create = p == path
         try:
-            fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o600)
-        except OSError:
-            continue        # missing side files; for the database SQLite reports it with the path
+            fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+                         | (os.O_CREAT if create else 0), 0o600)
+        except FileNotFoundError:
+            continue        # a side file SQLite has not made (or a missing directory: SQLite says so)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise _refuse_unsafe(path, p, "a symbolic link") from None
+            try:
+                regular = stat.S_ISREG(os.lstat(p).st_mode)
+            except OSError:
+                continue
+            if not regular:
+                raise _refuse_unsafe(path, p, "not a regular file") from None
+            continue        # not ours to open (EACCES): SQLite reports it with the path
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                continue
+                raise _refuse_unsafe(path, p, "not a regular file")
+            if st.st_nlink != 1:
+                raise _refuse_unsafe(path, p, f"a file with {st.st_nlink} hard links")
             if st.st_uid == os.geteuid() and st.st_mode & 0o077:
                 os.fchmod(fd, 0o600)
-            if os.geteuid() == 0 and st.st_uid == 0 and parent.st_uid != 0 and st.st_nlink == 1:
+            if os.geteuid() == 0 and st.st_uid == 0 and parent.st_uid != 0:
                 os.fchown(fd, parent.st_uid, parent.st_gid)
         finally:
             os.close(fd)

@@ -180,8 +180,8 @@ def _onboard(settings: Settings, echo: Callable[[str], None]) -> str:
 
     seconds = DevCluster(echo=echo).up()
     echo(f"[1/7] Slurm dev cluster up in {seconds:.1f}s (slurmctld, slurmdbd on MariaDB, 2 x slurmd, 8 fake GPUs)")
-    tenant = Admin(LocalRunner(), storage_root=settings.storage_root,
-                   parent_account=settings.parent_account).add_tenant(TENANT, shares=10,
+    tenant = Admin(LocalRunner(), storage_root=settings.storage_root, parent_account=settings.parent_account,
+                   service_user=settings.service_user).add_tenant(TENANT, shares=10,
                                                                        qos=["ft-small", "ft-standard"])
     token = _mint_token(settings)
     echo(f"[2/7] tenant {TENANT}: unix user {tenant.unix_user}, Slurm account {TENANT} "

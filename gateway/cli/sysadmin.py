@@ -33,7 +33,8 @@ def _admin():  # type: ignore[no-untyped-def]
     from gateway.slurm.admin import Admin
 
     s = get_settings()
-    return Admin(make_runner(s), storage_root=s.storage_root, parent_account=s.parent_account)
+    return Admin(make_runner(s), storage_root=s.storage_root, parent_account=s.parent_account,
+                 service_user=s.service_user)
 
 
 @tenant.command("add")
@@ -44,13 +45,19 @@ def _admin():  # type: ignore[no-untyped-def]
               help="Comma-separated QOS tiers; the first is the default.")
 @friendly_errors
 def tenant_add(name: str, shares: int, qos: str) -> None:
-    """Create (or update) tenant NAME: unix user, Slurm account + QOS, storage."""
+    """Create (or update) tenant NAME: unix user, Slurm account + QOS, storage.
+
+    The unix user (sft-NAME) is made here and recorded in /var/lib/slurm-finetune/tenant-users; a
+    NAME whose user would be the service user, or an existing account this command did not make,
+    is refused before anything is created.
+    """
     from gateway.db import make_engine, migrate, session_scope
     from gateway.services.tenants import ensure_tenant
     from gateway.slurm.validate import validate_tenant_name
 
     validate_tenant_name(name)  # before anything runs
-    t = _admin().add_tenant(name, shares=shares, qos=[q.strip() for q in qos.split(",")])
+    t = _admin().add_tenant(name, shares=shares, qos=[q.strip() for q in qos.split(",")],
+                            notify=lambda line: click.echo(line, err=True))
     engine = make_engine(get_settings().database_url)
     migrate(engine)
     with session_scope(engine) as session:
@@ -134,29 +141,41 @@ def _token_db():  # type: ignore[no-untyped-def]
 def token_create(tenant_name: str | None, role: str, name: str, as_json: bool) -> None:
     """Create an API token. It is printed once and stored only as a hash.
 
-    The tenant's audit log records it, minted by "local admin CLI (uid N)". A tenant_admin
-    token minted here decides no staff access request until its holder claims it with
-    `finetune tokens rotate` (which also revokes this copy).
+    The tenant's audit log records it as an alert, minted by "local admin CLI (uid N)". A
+    tenant_admin token minted here decides no staff access request. For a tenant with no
+    admin token of its own, a one-time claim code is written into the tenant's storage (as
+    its unix user, 0600; never printed here): with it the holder makes the token the
+    tenant's own (`finetune tokens claim`). Rotating it claims nothing.
     """
     from gateway.access.staff import db_now
-    from gateway.access.tokens import create_token, local_admin
+    from gateway.access.tokens import local_admin, operator_mint
     from gateway.db import session_scope
     from gateway.models import Role
     from gateway.services.tenants import get_tenant
+    from gateway.storage import storage_for
 
+    settings = get_settings()
     with session_scope(_token_db()) as session:
         tenant = get_tenant(session=session, name=tenant_name) if tenant_name else None
-        secret, row = create_token(session=session, role=Role(role), tenant=tenant, name=name,
-                                   minted_by=local_admin(), now=db_now(session))
-    out = {"token": secret, "id": row.id, "role": role, "tenant": tenant_name, "name": name,
-           "minted_by": row.minted_by, "minted_by_operator": row.minted_by_operator}
+        minted = operator_mint(session=session, storage=storage_for(settings), role=Role(role), tenant=tenant,
+                               name=name, minted_by=local_admin(), now=db_now(session))
+    row = minted.row
+    out = {"token": minted.secret, "id": row.id, "role": role, "tenant": tenant_name, "name": name,
+           "minted_by": row.minted_by, "minted_by_operator": row.minted_by_operator,
+           "claim_file": minted.claim_file,
+           "claim_expires_at": row.claim_expires_at.isoformat() if row.claim_expires_at else None}
     if as_json:
         click.echo(json.dumps(out))
         return
-    click.echo(f"token #{row.id} (shown once): {secret}")
-    if role == "tenant_admin":
-        click.echo(f"  it decides no staff access request until {tenant_name}'s admin claims it: "
-                   "`finetune tokens rotate` (the new token replaces this one)")
+    click.echo(f"token #{row.id} (shown once): {minted.secret}")
+    if minted.claim_file:
+        click.echo(f"  a one-time claim code was written into {tenant_name}'s storage: {minted.claim_file} "
+                   "(readable by the tenant's unix user only; not shown here)")
+        click.echo(f"  until its holder claims it with that code (`finetune tokens claim --code-file "
+                   f"{minted.claim_file}`, before {out['claim_expires_at']}), it decides no staff access request")
+    elif role == "tenant_admin":
+        click.echo(f"  it decides no staff access request: {tenant_name} has admin tokens of its own "
+                   f"({', '.join(f'#{i}' for i in minted.own_admins)}), which mint ones that do")
 
 
 @token.command("revoke")

@@ -8,7 +8,6 @@ the reconciler reads the bytes (through storage) and calls ``ingest_events``.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from datetime import timedelta
@@ -18,6 +17,7 @@ from sqlmodel import Session
 
 from gateway.models import FineTuningJob, JobCheckpoint, utcnow
 from gateway.services.jobs import add_event, update_fields
+from gateway.storage.verbs import tenant_json
 
 DPO_EVAL = ("reward_margin", "reward_accuracy", "logp_accuracy", "chosen_reward", "rejected_reward")
 """The eval record's DPO metrics (trainer.dpo.preference_metrics), kept in the job's progress."""
@@ -39,7 +39,7 @@ def ingest_events(*, session: Session, job: FineTuningJob, data: bytes) -> None:
     changes: dict[str, Any] = {}
     for line in data[:end + 1].splitlines():
         try:
-            ev = json.loads(line)
+            ev = tenant_json(line, "event")      # the tenant's bytes: depth-checked before parsing
         except ValueError:
             continue
         if not isinstance(ev, dict):

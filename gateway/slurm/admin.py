@@ -9,7 +9,7 @@ from __future__ import annotations
 import grp
 import pwd
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +17,7 @@ from gateway.slurm.policy import QOS_SHOW_FORMAT, QosChange, QosRow, QosTier, di
 from gateway.slurm.records import gpu_count
 from gateway.slurm.runner import CommandResult, Runner, SlurmCommandError
 from gateway.slurm.validate import validate_qos_name, validate_tenant_name
+from gateway.storage import identities
 from gateway.storage.layout import tenant_root, unix_user_for
 
 ORGANIZATION = "slurm-finetune"
@@ -37,19 +38,42 @@ class Tenant:
     storage_ok: bool
 
 
+class IdentityRefused(ValueError):
+    """A tenant whose unix user would be an account slurm-finetune did not make (or a reserved one)."""
+
+
 def _valid_unix_user(user: str) -> str:
     if not isinstance(user, str) or not _UNIX_USER.fullmatch(user):
         raise ValueError(f"not a unix user name: {user!r}")
     return user
 
 
-class Admin:
-    """sacctmgr / useradd operations for QOS tiers and tenants."""
+def _getpw(user: str) -> pwd.struct_passwd | None:
+    try:
+        return pwd.getpwnam(user)
+    except KeyError:
+        return None
 
-    def __init__(self, runner: Runner, *, storage_root: Path, parent_account: str = "finetune"):
+
+def _group_name(gid: int) -> str | None:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return None
+
+
+class Admin:
+    """sacctmgr / useradd operations for QOS tiers and tenants. ``service_user``: the gateway's own
+    unix user, never a tenant's; ``registry``: the record of the users ``add_tenant`` made
+    (``gateway.storage.identities``)."""
+
+    def __init__(self, runner: Runner, *, storage_root: Path, parent_account: str = "finetune",
+                 service_user: str = "sft-gateway", registry: Path = identities.TENANT_USERS):
         self.runner = runner
         self.storage_root = storage_root
         self.parent = validate_tenant_name(parent_account)
+        self.service_user = service_user
+        self.registry = registry
 
     def _sacctmgr(self, *args: str) -> CommandResult:
         res = self.runner.run(["sacctmgr", "--immediate", *args], timeout=60)
@@ -127,11 +151,15 @@ class Admin:
             self._sacctmgr("modify", "user", "where", f"name={user}", "set", "AdminLevel=Operator")
         return True
 
-    def add_tenant(self, name: str, *, shares: int, qos: Sequence[str]) -> Tenant:
+    def add_tenant(self, name: str, *, shares: int, qos: Sequence[str],
+                   notify: Callable[[str], None] | None = None) -> Tenant:
         """Onboard (or update) a tenant: unix user/group, Slurm account + user, storage.
 
         Raises InvalidNameError for a bad name or QOS before any command runs,
-        SlurmCommandError (with sacctmgr's text) for an unknown QOS.
+        SlurmCommandError (with sacctmgr's text) for an unknown QOS, IdentityRefused (before any
+        account or storage exists) when its unix user would be the service user or an account
+        this project did not make (``_ensure_unix_user``). ``notify`` gets notices (an account an
+        earlier version made, recorded now).
         """
         validate_tenant_name(name)
         qos = [validate_qos_name(q) for q in qos]
@@ -144,7 +172,7 @@ class Admin:
             raise SlurmCommandError(["sacctmgr"], 1, f"unknown QOS {sorted(missing)}: "
                                     "apply the QOS policy first (finetune dev-cluster up)")
         user = unix_user_for(name)
-        uid, gid = self._ensure_unix_user(user, tenant_root(self.storage_root, name))
+        uid, gid = self._ensure_unix_user(name, user, tenant_root(self.storage_root, name), notify)
         self.ensure_parent_account()
         settings = [f"Fairshare={shares}", "QOS=" + ",".join(qos), f"DefaultQOS={qos[0]}"]
         if self._show("account", name, "format=Account"):
@@ -159,17 +187,60 @@ class Admin:
         self._ensure_storage(name, uid, gid)
         return self.get_tenant(name)
 
-    def _ensure_unix_user(self, user: str, home: Path) -> tuple[int, int]:
+    # ------------------------------------------------- tenants' unix users
+    def _reserved_ids(self) -> tuple[set[int], set[int]]:
+        """(uids, gids) no tenant may have: root's and the service user's."""
+        service = _getpw(self.service_user)
+        return {0} | ({service.pw_uid} if service else set()), {0} | ({service.pw_gid} if service else set())
+
+    def _ensure_unix_user(self, name: str, user: str, home: Path,
+                          notify: Callable[[str], None] | None = None) -> tuple[int, int]:
+        """(uid, gid) of tenant ``name``'s unix user ``user``: made (useradd) and recorded in the
+        registry when missing; when it exists, only one the registry holds (idempotent) or, once, one
+        an earlier version made (``identities.legacy_mismatch``: recorded, with a notice). Raises
+        IdentityRefused before anything changes for the service user or any other existing account."""
+        if user == self.service_user:
+            raise IdentityRefused(
+                f"refusing tenant {name!r}: its unix user would be {user}, the gateway's own service user "
+                "(it owns the database and the audit key and may talk to the storage broker), and the "
+                "tenant's jobs and files would run as it. Choose another tenant name.")
+        registry = identities.read(self.registry)
+        uids, gids = self._reserved_ids()
+        pw = _getpw(user)
+        if pw is None:
+            return self._create_unix_user(name, user, home, gids)
+        why = identities.refusal(pw, registry, home=home, group=_group_name(pw.pw_gid), reserved_uids=uids,
+                                 reserved_gids=gids, where=self.registry)
+        if why is not None:
+            raise IdentityRefused(
+                f"refusing tenant {name!r}: {why}. `tenant add` never adopts an account it did not create "
+                "(the tenant's jobs and files would run as it). Choose another tenant name, or remove "
+                f"or rename {user} if nothing uses it.")
+        if user not in registry:
+            identities.record(identities.Entry(user, pw.pw_uid, pw.pw_gid), self.registry)
+            if notify:
+                notify(f"notice: unix user {user} (uid {pw.pw_uid}) was made by an earlier version of "
+                       f"slurm-finetune (home {home}): recorded it in {self.registry}")
+        return pw.pw_uid, pw.pw_gid
+
+    def _create_unix_user(self, name: str, user: str, home: Path, reserved_gids: set[int]) -> tuple[int, int]:
+        """groupadd (unless a group of ours is left from an interrupted run), useradd, record."""
         try:
-            grp.getgrnam(user)
+            gr: grp.struct_group | None = grp.getgrnam(user)
         except KeyError:
+            gr = None
+        if gr is None:
             self.runner.run(["groupadd", "--system", user]).check()
-        try:
-            pw = pwd.getpwnam(user)
-        except KeyError:
-            self.runner.run(["useradd", "--system", "--gid", user, "--home-dir", str(home),
-                             "--no-create-home", "--shell", "/bin/bash", user]).check()
-            pw = pwd.getpwnam(user)
+        elif gr.gr_mem or gr.gr_gid in reserved_gids or gr.gr_gid <= identities.STATIC_UID_MAX \
+                or any(p.pw_gid == gr.gr_gid for p in pwd.getpwall()):
+            raise IdentityRefused(
+                f"refusing tenant {name!r}: group {user} (gid {gr.gr_gid}) already exists and is in use "
+                "(it has members, is an account's primary group or a reserved gid): `tenant add` never "
+                f"adopts a group it did not create. Choose another tenant name, or remove {user}.")
+        self.runner.run(["useradd", "--system", "--gid", user, "--home-dir", str(home),
+                         "--no-create-home", "--shell", identities.TENANT_SHELL, user]).check()
+        pw = pwd.getpwnam(user)
+        identities.record(identities.Entry(user, pw.pw_uid, pw.pw_gid), self.registry)
         return pw.pw_uid, pw.pw_gid
 
     def _ensure_storage(self, name: str, uid: int, gid: int) -> None:

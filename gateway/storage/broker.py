@@ -5,8 +5,10 @@ It runs as root (a systemd unit on a real site, or started by a root
 socket that only root and the gateway's service user may use (checked with
 SO_PEERCRED on every connection), and for each request forks a child that
 
-1. derives the tenant's unix user itself (``sft-<tenant>``; its home must be the
-   tenant root, so no other account can be named),
+1. derives the tenant's unix user itself (``sft-<tenant>``) and acts as it only when it is an
+   account ``finetune admin tenant add`` made (recorded in ``identities.TENANT_USERS``, or one
+   an earlier version made: home the tenant root, its own group), never root, the static system
+   range or a user this broker serves (the gateway's service user),
 2. drops to it for good (supplementary groups cleared, real/effective/saved
    gid and uid set, not dumpable) BEFORE it opens anything in tenant storage,
 3. opens the tenant root no-follow and runs ONE verb of ``gateway.storage.verbs``
@@ -23,18 +25,21 @@ from __future__ import annotations
 
 import argparse
 import errno
+import grp
 import json
 import os
 import pwd
+import select
 import signal
 import socket
 import struct
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gateway.storage import layout, safefs
+from gateway.storage import identities, layout, safefs
 from gateway.storage.verbs import VERBS, Ctx, Reply, VerbError
 
 
@@ -46,7 +51,7 @@ def code_id() -> str:
 
     here = Path(__file__).resolve().parent
     digest = hashlib.sha256()
-    for name in ("broker.py", "verbs.py", "safefs.py", "layout.py", "__init__.py"):
+    for name in ("broker.py", "verbs.py", "safefs.py", "layout.py", "identities.py", "__init__.py"):
         digest.update(name.encode() + b"\0" + (here / name).read_bytes())
     return digest.hexdigest()[:16]
 
@@ -57,6 +62,13 @@ MAX_HEADER = 4 << 20
 MAX_FDS = 4
 REQUEST_TIMEOUT_S = 120.0
 SBATCH = "sbatch"
+# A child lives only as long as the gateway waits for it (the request's ``deadline_s``, at most
+# MAX_DEADLINE_S; DEFAULT_DEADLINE_S when it names none) plus REPLY_GRACE_S, and never stopped:
+# the parent (root, out of the tenant's reach) kills it then (``Children``).
+DEFAULT_DEADLINE_S = 300.0
+MAX_DEADLINE_S = 3600.0
+REPLY_GRACE_S = 5.0
+REPORT = struct.Struct(">id")   # child -> parent: (pid, seconds its request may take)
 
 
 class BrokerError(Exception):
@@ -109,15 +121,33 @@ def recv_msg(sock: socket.socket) -> tuple[dict[str, Any], list[int], list[bytes
 
 
 # ------------------------------------------------------------- identity
-def tenant_identity(tenant: str) -> pwd.struct_passwd:
-    """The tenant's unix user, derived here (``sft-<tenant>``), never root. Which directory it may
-    act on is settled after the switch: the tenant root must be owned by that uid."""
+# ids no tenant may have: root's and those of the users allowed to connect (``main``: --allow-user)
+RESERVED_UIDS: set[int] = {0}
+RESERVED_GIDS: set[int] = {0}
+
+
+def tenant_identity(tenant: str, storage_root: Path) -> pwd.struct_passwd:
+    """The tenant's unix user, derived here (``sft-<tenant>``), checked before the switch: BrokerError
+    ``forbidden`` for root's, a reserved id (the users allowed to connect) or a static system uid, and
+    unless ``tenant add`` recorded it (same uid and gid) or it looks exactly like an account an earlier
+    version made, home the tenant root under ``storage_root`` (``identities.refusal``); ``no_unix_user``
+    when there is none. Which directory it may act on is settled after the switch: the tenant root
+    must be owned by that uid."""
     try:
         pw = pwd.getpwnam(layout.unix_user_for(tenant))
     except KeyError:
         raise BrokerError(f"tenant {tenant} has no unix user on this host", code="no_unix_user") from None
-    if pw.pw_uid == 0 or pw.pw_gid == 0:
-        raise BrokerError(f"refusing unix user {pw.pw_name}: not a tenant account", code="forbidden")
+    try:
+        group: str | None = grp.getgrgid(pw.pw_gid).gr_name
+    except KeyError:
+        group = None
+    try:
+        why = identities.refusal(pw, identities.read(), home=layout.tenant_root(storage_root, tenant),
+                                 group=group, reserved_uids=RESERVED_UIDS, reserved_gids=RESERVED_GIDS)
+    except identities.RegistryError as e:
+        why = str(e)
+    if why:
+        raise BrokerError(f"refusing tenant {tenant}: {why}", code="forbidden")
     return pw
 
 
@@ -234,8 +264,9 @@ def reply_error(e: BaseException) -> dict[str, Any]:
     return {"ok": False, "code": "storage_error", "message": f"storage verb failed ({type(e).__name__})"}
 
 
-def serve_one(conn: socket.socket) -> None:
-    """In the forked child: read one request, drop to the tenant, run it, reply."""
+def serve_one(conn: socket.socket, report_fd: int | None = None) -> None:
+    """In the forked child: read one request, drop to the tenant, run it, reply. ``report_fd``: the
+    parent's pipe, told how long this request may take (``report_deadline``)."""
     fds: list[int] = []
     try:
         conn.settimeout(REQUEST_TIMEOUT_S)
@@ -243,9 +274,10 @@ def serve_one(conn: socket.socket) -> None:
         if req.get("hello"):      # which code is this? (no tenant, nothing run)
             send_msg(conn, {"ok": True, "result": {"code_id": CODE_ID, "pid": os.getppid()}})
             return
+        report_deadline(report_fd, req.get("deadline_s"))
         tenant, verb = str(req.get("tenant", "")), str(req.get("verb", ""))
         storage_root = storage_root_arg(req.get("storage_root"))
-        pw = tenant_identity(tenant)
+        pw = tenant_identity(tenant, storage_root)
         drop_to(pw)
         reply = run_verb(storage_root, tenant, pw.pw_name, verb, req.get("args") or {}, fds)
         send_msg(conn, {"ok": True, "result": reply.result}, reply.fds, reply.blobs)
@@ -262,6 +294,79 @@ def serve_one(conn: socket.socket) -> None:
                 pass
 
 
+def report_deadline(fd: int | None, raw: object) -> None:
+    """Tell the parent how long this request may take (the gateway's wait, ``raw``, else
+    DEFAULT_DEADLINE_S), then close the pipe: done while still root, so no tenant process holds it."""
+    if fd is None:
+        return
+    seconds = float(raw) if isinstance(raw, int | float) and not isinstance(raw, bool) and raw > 0 \
+        else DEFAULT_DEADLINE_S
+    try:
+        os.write(fd, REPORT.pack(os.getpid(), seconds))
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------ children
+class Children:
+    """The parent's live children, each with the monotonic time it must be gone by.
+
+    A child becomes the tenant, so the tenant can SIGSTOP it: it then neither answers nor ends,
+    and cannot act on an alarm of its own. The parent, root and out of the tenant's reach, kills
+    it (SIGKILL ends a stopped process too) as soon as the kernel reports it stopped (SIGCHLD,
+    ``waitpid(WUNTRACED)``: no verb ever stops itself) or when it overruns its deadline. Children
+    are reaped here, not by the kernel: a pid this may still kill stays our zombie until waited
+    for, never another process's reused pid."""
+
+    def __init__(self) -> None:
+        self.deadline: dict[int, float] = {}
+        self.killed: set[int] = set()
+
+    def add(self, pid: int) -> None:
+        """Track a new child: it may take REQUEST_TIMEOUT_S to read its request, then reports its verb's time."""
+        self.deadline[pid] = time.monotonic() + REQUEST_TIMEOUT_S + REPLY_GRACE_S
+
+    def read_reports(self, fd: int) -> None:
+        """Apply the children's reports waiting on the pipe (``report_deadline``); every write is one whole record."""
+        try:
+            data = os.read(fd, 512 * REPORT.size)
+        except BlockingIOError:
+            return
+        for pid, seconds in REPORT.iter_unpack(data[:len(data) - len(data) % REPORT.size]):
+            if pid in self.deadline and pid not in self.killed:
+                self.deadline[pid] = time.monotonic() + min(max(seconds, 1.0), MAX_DEADLINE_S) + REPLY_GRACE_S
+
+    def police(self) -> None:
+        """Reap the children that ended; SIGKILL (once, logged) each one stopped or past its deadline."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG | os.WUNTRACED)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            if os.WIFSTOPPED(status):
+                self._kill(pid, "was stopped")
+            else:
+                self.deadline.pop(pid, None)
+                self.killed.discard(pid)
+        now = time.monotonic()
+        for pid in [p for p, deadline in self.deadline.items() if now > deadline]:
+            self._kill(pid, "overran its deadline")
+
+    def wait_s(self) -> float | None:
+        """How long the loop may wait for a connection: until the nearest deadline; None with no child."""
+        live = [d for p, d in self.deadline.items() if p not in self.killed]
+        return max(0.0, min(live) - time.monotonic()) if live else None
+
+    def _kill(self, pid: int, why: str) -> None:
+        if pid in self.killed:
+            return
+        os.kill(pid, signal.SIGKILL)
+        self.killed.add(pid)
+        print(f"storage broker: killed request child {pid}: it {why}", flush=True)
+
+
 # ------------------------------------------------------------------ daemon
 def peer_uid(conn: socket.socket) -> int:
     """The uid of the process at the other end of the unix socket (SO_PEERCRED)."""
@@ -271,7 +376,8 @@ def peer_uid(conn: socket.socket) -> int:
 
 
 def serve(socket_path: Path, allowed_uids: set[int]) -> None:
-    """Accept forever; one forked child per connection (this loop stays single-threaded)."""
+    """Accept forever; one forked child per connection (this loop stays single-threaded), each killed
+    when it overruns its request's deadline or is stopped (``Children``)."""
     if os.geteuid() != 0:
         sys.exit("storage broker: must run as root (it switches to each tenant's uid per request)")
     socket_path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
@@ -288,13 +394,28 @@ def serve(socket_path: Path, allowed_uids: set[int]) -> None:
     os.chown(socket_path, service_uid, -1)
     srv.listen(128)
     import gateway.slurm.runner  # noqa: F401 - imported while root: children may not read the code after the drop
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)    # children are reaped by the kernel
+    wake_r, wake_w = os.pipe()                        # SIGCHLD (a child ended or stopped) wakes the loop
+    for fd in (wake_r, wake_w):
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)    # reaped by Children.police, never by the kernel
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(f"storage broker: listening on {socket_path} for uids {sorted(allowed_uids)}", flush=True)
     import gc
 
     gc.freeze()          # children share these pages instead of copying them on first GC
+    children = Children()
+    report_r, report_w = os.pipe()
+    os.set_blocking(report_r, False)
     while True:
+        children.police()
+        ready, _, _ = select.select([srv.fileno(), report_r, wake_r], [], [], children.wait_s())
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+        if report_r in ready:
+            children.read_reports(report_r)
+        if srv.fileno() not in ready:
+            continue
         try:
             conn, _ = srv.accept()
         except InterruptedError:
@@ -303,15 +424,20 @@ def serve(socket_path: Path, allowed_uids: set[int]) -> None:
             if peer_uid(conn) not in allowed_uids:
                 send_msg(conn, {"ok": False, "code": "forbidden", "message": "not the gateway's service user"})
                 continue
-            if os.fork() == 0:
+            pid = os.fork()
+            if pid == 0:
                 srv.close()
+                signal.set_wakeup_fd(-1)
+                for fd in (report_r, wake_r, wake_w):
+                    os.close(fd)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)   # sbatch's exit status must be seen
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 gc.disable()         # a child lives for one request
                 try:
-                    serve_one(conn)
+                    serve_one(conn, report_w)
                 finally:
                     os._exit(0)
+            children.add(pid)
         except OSError:
             pass
         finally:
@@ -326,9 +452,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--allow-user", action="append", default=[], help="service user allowed to connect")
     a = p.parse_args(argv)
     try:
-        uids = {0} | {pwd.getpwnam(u).pw_uid for u in a.allow_user}
+        users = [pwd.getpwnam(u) for u in a.allow_user]
     except KeyError as e:
         sys.exit(f"storage broker: no such user {e} (scripts/bootstrap.sh creates the service user)")
+    uids = {0} | {pw.pw_uid for pw in users}
+    RESERVED_UIDS.update(uids)                      # a peer is never a tenant (tenant_identity)
+    RESERVED_GIDS.update(pw.pw_gid for pw in users)
     serve(a.socket, uids)
 
 

@@ -15,6 +15,7 @@ so a name can never climb out or follow a link.
     jobs/<job id>/checkpoints/           the trainer's checkpoints
     artifacts/<art id>/<result>          published results (adapter.tar, eval.json, metrics.csv)
     artifacts/.pub-<job id>-<hex>/       a publication being built
+    CLAIM-CODE-<token id>                an operator-minted admin token's one-time claim code (0600)
 """
 
 from __future__ import annotations
@@ -159,3 +160,15 @@ def result_path(art_id: str, name: str) -> str:
     if not is_result_name(name):
         raise LayoutError(f"invalid result name: {name!r}")
     return "/".join((*artifact(art_id), name))
+
+
+CLAIM_CODE_PREFIX = "CLAIM-CODE-"
+MAX_TOKEN_ID = 2**31 - 1
+
+
+def claim_code_file(token_id: object) -> str:
+    """The name, at the tenant root, of the claim code file for token ``token_id``
+    (``CLAIM-CODE-<id>``); LayoutError unless 1 <= id < 2**31."""
+    if not isinstance(token_id, int) or isinstance(token_id, bool) or not 1 <= token_id <= MAX_TOKEN_ID:
+        raise LayoutError(f"invalid token id: {token_id!r}")
+    return f"{CLAIM_CODE_PREFIX}{token_id}"

@@ -23,6 +23,7 @@ import tarfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 from gateway.storage import layout, safefs
@@ -34,6 +35,7 @@ MAX_METRICS_BYTES = 64 << 20
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_ADAPTER_BYTES = 16 << 30
 MAX_SAFETENSORS_HEADER = 16 << 20
+MAX_JSON_DEPTH = 64               # nesting of a tenant-written JSON document (ours nest 4 deep at most)
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json")
@@ -74,6 +76,33 @@ def verb(fn: Verb) -> Verb:
 
 def _missing(what: str) -> VerbError:
     return VerbError(f"{what} is no longer in storage", code="not_found")
+
+
+# A JSON string (escapes included); brackets inside one are not structure.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_NESTING = [0] * 256
+_NESTING[ord("[")] = _NESTING[ord("{")] = 1
+_NESTING[ord("]")] = _NESTING[ord("}")] = -1
+
+
+def json_depth(raw: bytes) -> int:
+    """How deep the arrays and objects of the JSON text ``raw`` nest (exact for valid JSON; for
+    anything else at least what a parser would reach before failing). Runs at C speed: strings
+    removed by one regex, then a running sum over the brackets."""
+    return max(accumulate(map(_NESTING.__getitem__, _JSON_STRING.sub(b"", raw))), default=0)
+
+
+def tenant_json(raw: bytes, what: str = "JSON") -> Any:
+    """``raw`` (UTF-8 bytes a tenant's process wrote) parsed; ValueError when it is not JSON or
+    nests deeper than MAX_JSON_DEPTH, checked before parsing: 200k ``[`` would otherwise raise
+    RecursionError past every ``except ValueError`` (and deep values would reach the reply)."""
+    text = raw.decode("utf-8-sig")        # UTF-8 only: its multi-byte characters hold no ASCII byte
+    if json_depth(raw) > MAX_JSON_DEPTH:
+        raise ValueError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{what} nests too deep") from None
 
 
 # ------------------------------------------------------------------- uploads
@@ -203,6 +232,21 @@ def write_spec(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
     return Reply()
 
 
+MAX_CLAIM_BYTES = 4096
+
+
+@verb
+def write_claim(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
+    """Write ``CLAIM-CODE-<token id>`` at the tenant root atomically, 0600: as the tenant, so only
+    its unix user (and root) can read the one-time claim code in it; returns its ``name``."""
+    name = layout.claim_code_file(args.get("token_id"))
+    text = args.get("text")
+    if not isinstance(text, str) or not text or len(text.encode()) > MAX_CLAIM_BYTES:
+        raise VerbError("invalid claim code text")
+    safefs.write_atomic(ctx.root_fd, name, text.encode(), mode=0o600)
+    return Reply({"name": name})
+
+
 @verb
 def remove(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
     """Remove each named path (file or tree), never following a link; missing ones are fine."""
@@ -276,7 +320,7 @@ def verify_staging(staging_fd: int, *, attempt: int, model_digest: str | None) -
         raise _refused(f"attempt {attempt} has no COMPLETE marker: the trainer did not finish it") from None
     try:
         raw = read("manifest.json", MAX_MANIFEST_BYTES)
-        manifest = json.loads(raw)
+        manifest = tenant_json(raw, "manifest.json")
         if not isinstance(manifest, dict):
             raise ValueError("not an object")
     except (OSError, ValueError) as e:
@@ -323,7 +367,7 @@ def metrics_csv(lines: bytes) -> bytes:
     w.writerow(cols)
     for line in lines.splitlines():
         try:
-            row = json.loads(line)
+            row = tenant_json(line, "a metrics line")
         except ValueError:
             continue
         if isinstance(row, dict):
@@ -402,7 +446,7 @@ def reported(manifest: dict[str, Any]) -> dict[str, Any]:
 def _build(ctx: Ctx, job_id: str, sfd: int, opened: dict[str, int], manifest: dict[str, Any],
            steps: list[int]) -> Reply:
     try:
-        evaluation = json.loads(safefs.read_fd(opened["eval.json"], MAX_EVAL_BYTES))
+        evaluation = tenant_json(safefs.read_fd(opened["eval.json"], MAX_EVAL_BYTES), "eval.json")
         os.lseek(opened["eval.json"], 0, os.SEEK_SET)
     except ValueError:
         raise _refused("eval.json is not JSON") from None
@@ -465,7 +509,7 @@ def peft_header(fd: int) -> tuple[bytes, int, int]:
     n = int.from_bytes(head, "little")
     if not 2 <= n <= min(MAX_SAFETENSORS_HEADER, size - 8):
         raise ValueError("invalid header length")
-    header = json.loads(safefs.read_fd(fd, n))
+    header = tenant_json(safefs.read_fd(fd, n), "the header")
     if not isinstance(header, dict):
         raise ValueError("the header is not an object")
     data = size - 8 - n

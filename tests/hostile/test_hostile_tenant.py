@@ -326,21 +326,33 @@ def test_sbatch_errors_come_back_through_the_broker(gw: LiveGateway) -> None:
     as_tenant(ATTACKER, f"rm -rf jobs/{jid}")
 
 
-def test_root_never_follows_a_link_planted_beside_the_database(gw: LiveGateway, victim_root_dir: Path) -> None:
-    """The state dir belongs to the service user: a link it plants as the WAL file must not make root
-    (the admin CLI opening the database) chmod or chown the link's target."""
-    from gateway.db import make_engine
+@pytest.mark.parametrize("suffix", ["", "-wal", "-shm", "-journal"])
+@pytest.mark.parametrize("target", ["root-secret.txt", "created-by-root"])
+def test_root_never_follows_a_link_planted_beside_the_database(gw: LiveGateway, victim_root_dir: Path,
+                                                               suffix: str, target: str) -> None:
+    """The state dir belongs to the service user: a link it plants where the database or one of its
+    side files goes (to a root file, or to a name root would create) must not make root (the admin CLI
+    opening the database) create, chmod, chown or write the link's target: the open is refused,
+    naming the link, before SQLite opens anything; without the link the database opens as before."""
+    from gateway.db import UnsafeDatabaseFile, make_engine, migrate
     from gateway.privsep import service_owned_dir
 
-    d = service_owned_dir(Settings(), f"test-planted-{os.getpid()}")
-    target = victim_root_dir / "root-secret.txt"
+    d = service_owned_dir(Settings(), f"test-planted-{os.getpid()}-{target}{suffix}")
+    link = d / f"gw.db{suffix}"
     before = Snap.of(victim_root_dir)
-    subprocess.run(["runuser", "-u", "sft-gateway", "--", "ln", "-s", str(target), str(d / "gw.db-wal")],
+    subprocess.run(["runuser", "-u", "sft-gateway", "--", "ln", "-s", str(victim_root_dir / target), str(link)],
                    check=True)
-    make_engine(f"sqlite:///{d / 'gw.db'}").dispose()
-    assert Snap.of(victim_root_dir) == before
-    st = (d / "gw.db").stat()
-    assert st.st_uid == uid_of("sft-gateway") and stat.S_IMODE(st.st_mode) == 0o600
+    with pytest.raises(UnsafeDatabaseFile, match=f"{link} is a symbolic link"):
+        engine = make_engine(f"sqlite:///{d / 'gw.db'}")
+        migrate(engine)              # (were it not refused: SQLite writes the database and its journal)
+    assert Snap.of(victim_root_dir) == before and not (victim_root_dir / "created-by-root").exists()
+    link.unlink()
+    engine = make_engine(f"sqlite:///{d / 'gw.db'}")
+    migrate(engine)
+    engine.dispose()
+    for f in d.iterdir():
+        st = f.lstat()
+        assert stat.S_ISREG(st.st_mode) and st.st_uid == uid_of("sft-gateway") and stat.S_IMODE(st.st_mode) == 0o600
 
 
 def _plant(rel: str, data: bytes) -> None:

@@ -85,7 +85,10 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 def ensure_unix_user(name: str) -> None:
-    """Tenant files must be owned by the tenant's unix user: create it (root only)."""
+    """Tenant files must be owned by the tenant's unix user: create it (root only) and record it
+    as `finetune admin tenant add` does, or the broker will not act as it."""
+    from gateway.storage import identities
+
     if os.geteuid() != 0:
         return
     try:
@@ -93,6 +96,9 @@ def ensure_unix_user(name: str) -> None:
     except KeyError:
         subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
                         name], check=True)
+    pw = pwd.getpwnam(name)
+    if identities.read().get(name) != identities.Entry(name, pw.pw_uid, pw.pw_gid):
+        identities.record(identities.Entry(name, pw.pw_uid, pw.pw_gid))
 
 
 def tenant_storage_root() -> Iterator[Path]:
