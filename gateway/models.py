@@ -91,6 +91,11 @@ class ApiToken(SQLModel, table=True):
     minted_by_token_id: int | None = None
     minted_by_operator: bool = True
     revoked_by: str | None = Field(default=None, max_length=100)
+    # An operator-minted tenant_admin token's one-time claim code (gateway.access.tokens):
+    # its sha256 only, the code itself lives in the tenant's storage.
+    claim_code_hash: str | None = Field(default=None, max_length=64, index=True, unique=True)
+    claim_expires_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    claimed_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
 
 
 class DataFile(SQLModel, table=True):

@@ -51,6 +51,7 @@ from gateway.models import AuditEntry, AuditHead
 log = logging.getLogger("gateway.access.audit")
 GENESIS = "0" * 64
 ALLOWED, DENIED = "allowed", "denied"
+ALERT = "alert"          # allowed, and the tenant should look: an operator minted a token for it
 HASHED_FIELDS = ("seq", "at", "actor_token_id", "actor_role", "tenant", "resource", "action",
                  "grant_id", "outcome", "reason", "prev_hash")
 

@@ -66,6 +66,25 @@ def declares(fn: Any, policy: Policy | str) -> Any:
     return fn
 
 
+# ------------------------------------------------- reads with operator-minted tokens
+# Tenant routes that show the tenant's access bookkeeping, not its data: not audited as reads.
+NOT_TENANT_DATA = frozenset({"/v1/tokens", "/v1/audit", "/v1/access-requests", "/portal/access"})
+READ_METHODS = frozenset({"GET", "HEAD"})
+_READ_POLICIES = frozenset({Policy.TENANT, Policy.TENANT_ADMIN, Policy.AUTHENTICATED})
+
+
+def tenant_read(policy: Policy, method: str, route: str) -> str | None:
+    """The audit action (``read.<route's words>``) when a tenant token's request to ``route``
+    (the path template, e.g. ``/v1/files/{file_id}/content``) reads the tenant's data: files and
+    their content, jobs, their events and checkpoints, models and artifacts, sweeps, lists of
+    them; any GET of a tenant route not in NOT_TENANT_DATA, so a new route is a read until
+    reviewed. None otherwise (writes, the token, audit and access-request views)."""
+    if method.upper() not in READ_METHODS or policy not in _READ_POLICIES or route in NOT_TENANT_DATA:
+        return None
+    words = [w for w in route.removeprefix("/v1/").split("/") if w and not w.startswith("{")]
+    return ("read." + ".".join(words or ["root"]))[:40]
+
+
 # ------------------------------------------------------------- route declarations
 def _policies(dependant: Any) -> set[Policy]:
     found: set[Policy] = set()

@@ -9,6 +9,9 @@ not) and every request, approval, denial and revocation goes to the audit log.
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -241,6 +244,57 @@ def record_refusal(engine: Engine, *, now: datetime, principal: Principal, path_
     audit.append_now(engine, at=now, actor=actor(principal), action="tenant_route", outcome=audit.DENIED,
                      tenant=tenant, resource=f"{kind}:{rid}"[:60] if kind else None,
                      reason=f"{route[:200]}: tenant routes refuse {principal.role.value} tokens")
+
+
+_RESOURCE_PARAMS = {"job_id": "job", "file_id": "file", "sweep_id": "sweep"}
+
+
+def _read_resource(principal: Principal, path_params: Mapping[str, Any]) -> str | None:
+    """``kind:id`` of the job, file or sweep a read names, or of a model of the caller's own tenant
+    (a model id is free text: another tenant's is not echoed into this tenant's log)."""
+    for k, kind in _RESOURCE_PARAMS.items():
+        if k in path_params:
+            return f"{kind}:{path_params[k]}"[:60]
+    model = str(path_params.get("model_id", ""))
+    return f"model:{model}"[:60] if model and f":{principal.tenant_name}:" in model else None
+
+
+READ_AUDIT_WINDOW_S = 600.0
+"""A read with an operator-minted token is audited once per token, action and resource in this window."""
+_READS_SEEN: OrderedDict[tuple[str, int, str, str | None], float] = OrderedDict()
+_READS_LOCK = threading.Lock()
+_READS_MAX = 50_000
+
+
+def _first_read_in_window(key: tuple[str, int, str, str | None], now_s: float) -> bool:
+    """Whether ``key`` has not been audited by this process within READ_AUDIT_WINDOW_S (and note it)."""
+    with _READS_LOCK:
+        seen = _READS_SEEN.get(key)
+        if seen is not None and now_s - seen < READ_AUDIT_WINDOW_S:
+            return False
+        _READS_SEEN[key] = now_s
+        _READS_SEEN.move_to_end(key)
+        while len(_READS_SEEN) > _READS_MAX:
+            _READS_SEEN.popitem(last=False)
+        return True
+
+
+def record_tenant_read(engine: Engine, *, now: datetime, principal: Principal, action: str,
+                       path_params: Mapping[str, Any], route: str) -> None:
+    """Audit a read of the tenant's data made with an operator-minted token (an operator may
+    hold its secret), committed before the route runs. ``route``: the method and path template
+    (``GET /v1/files/{file_id}/content``); the resource is the job, file, sweep or model it names.
+
+    Once per token, action and resource per READ_AUDIT_WINDOW_S in each gateway process: the log
+    shows which operator-held token read what and when, without turning every poll of a job into
+    a serialized write of the audit chain."""
+    resource = _read_resource(principal, path_params)
+    if not _first_read_in_window((str(engine.url), principal.token_id, action, resource), time.monotonic()):
+        return
+    audit.append_now(engine, at=now, actor=actor(principal), action=action, outcome=audit.ALLOWED,
+                     tenant=principal.tenant_name, resource=resource,
+                     reason=f"{route[:200]} with operator-minted token #{principal.token_id}: an operator may "
+                            f"hold its secret (first such read in {int(READ_AUDIT_WINDOW_S // 60)} min)")
 
 
 # ------------------------------------------------------------- metadata views

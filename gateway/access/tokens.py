@@ -9,30 +9,51 @@ Provenance: each token records who minted it (``minted_by``: the minting token, 
 admin CLI (uid N)") and ``minted_by_operator``: whether an operator (staff, sysadmin, root
 at the CLI) may hold its secret. A tenant_admin token an operator minted decides no staff
 access request (``decide_refusal``): otherwise a sysadmin could mint one and approve its
-own request. Tokens a tenant token mints inherit its flag. The first admin token, which
-the CLI mints at onboarding, becomes the tenant's own by rotation (``rotate_token``: a new
-secret only its caller sees, the old one revoked at once) -- but only while the tenant has
-no admin token of its own yet, so an operator cannot claim a second one behind an onboarded
-tenant's back; after that, the tenant's own admins mint further admin tokens.
+own request. Tokens a tenant token mints inherit its flag, and so does a rotation: an
+operator can rotate a token it minted as well as anyone, so rotating proves nothing.
+
+Claiming (``claim_token``) needs what no operator role holds: when an operator mints a
+tenant_admin token for a tenant with no admin token of its own (``operator_mint``), the
+gateway makes a one-time claim code, keeps only its sha256 on the token's row and writes
+the code into the tenant's own storage, as the tenant's unix user, 0600
+(``CLAIM-CODE-<token id>`` at the tenant root, the storage verb ``write_claim``); the
+operator is told where it went, never the code. The token's holder presents the code
+once, within ``CLAIM_TTL``: a new secret only it sees, ``minted_by_operator`` false, the
+old token revoked. A wrong, expired or used code is refused and audited. Root, and
+anything running as the tenant's unix user, can read the file: root is out of scope, the
+tenant's own processes are the tenant.
+
+Every token an operator mints for a tenant is an ``alert`` entry in the tenant's audit
+log, and every read of tenant data made with an operator-minted token is audited
+(``policy.tenant_read``, recorded by ``gateway.access.staff.record_tenant_read``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import secrets
 from dataclasses import dataclass
-from datetime import datetime
-from typing import Any
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
 
+import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
 from gateway.access import audit
 from gateway.access.policy import OPERATOR_ROLES
 from gateway.errors import Conflict, Forbidden, NotFound, ServiceError
 from gateway.models import TENANT_ROLES, ApiToken, Role, Tenant, utcnow
+from gateway.storage import layout
+
+if TYPE_CHECKING:
+    from gateway.storage import Storage
 
 TOKEN_PREFIX = "sft_"
+CLAIM_PREFIX = "sftclaim_"
+CLAIM_TTL = timedelta(days=7)
+CLAIM_CODE = re.compile(r"sftclaim_[A-Za-z0-9_-]{40,60}")
 
 
 @dataclass(frozen=True)
@@ -44,6 +65,7 @@ class Principal:
     tenant_id: int | None
     tenant_name: str | None
     unix_user: str | None
+    operator_minted: bool = False     # an operator may hold this token's secret: its reads are audited
 
 
 @dataclass(frozen=True)
@@ -103,12 +125,15 @@ def onboarding_token(engine: Any, tenant: str, *, name: str = "") -> str:
 
 def create_token(*, session: Session, role: Role, tenant: Tenant | None, name: str = "",
                  minted_by: Minter | None = None, now: datetime | None = None,
-                 operator: bool | None = None, note: str = "") -> tuple[str, ApiToken]:
+                 operator: bool | None = None, note: str = "",
+                 claim: tuple[str, datetime] | None = None) -> tuple[str, ApiToken]:
     """Create a token; return (the secret, shown only now; its row). Audited in the same
-    transaction, under the tenant's name for tenant tokens.
+    transaction, under the tenant's name for tenant tokens: an ``alert`` entry when an
+    operator mints it (not for a rotation or claim, which pass ``operator``).
 
     ``minted_by`` defaults to the local admin CLI (anything with the database at hand is
-    the operator side); ``operator`` overrides the minter's provenance (a claim).
+    the operator side); ``operator`` overrides the minter's provenance (a rotation keeps
+    the old token's, a claim clears it); ``claim``: its claim code's hash and expiry.
     """
     if role in TENANT_ROLES and tenant is None:
         raise ServiceError(f"role {role.value} needs --tenant", param="tenant")
@@ -121,14 +146,23 @@ def create_token(*, session: Session, role: Role, tenant: Tenant | None, name: s
     secret, now = TOKEN_PREFIX + secrets.token_urlsafe(32), now or utcnow()
     row = ApiToken(tenant_id=tenant.id if tenant else None, role=role.value, name=name, created_at=now,
                    prefix=secret[:10], token_hash=hash_token(secret), minted_by=minter.label[:100],
-                   minted_by_token_id=minter.token_id, minted_by_operator=by_operator)
+                   minted_by_token_id=minter.token_id, minted_by_operator=by_operator,
+                   claim_code_hash=claim[0] if claim else None, claim_expires_at=claim[1] if claim else None)
     session.add(row)
     session.flush()
+    if claim and row.id is not None and operator is None:
+        note += (f"; its one-time claim code, valid until {claim[1].isoformat(timespec='seconds')}, is in your "
+                 f"storage ({layout.claim_code_file(row.id)}, readable by your unix user only): `finetune tokens "
+                 "claim` with it makes the token your own")
     flag = "; operator-minted: it decides no staff access request" if by_operator and role is Role.TENANT_ADMIN \
         else ""
+    alert = tenant is not None and by_operator and operator is None
+    if alert:
+        flag += ("; an operator may hold its secret: every read of your data made with it is audited. "
+                 "Not asked for? Revoke it (`finetune tokens revoke`)")
     audit.append(session, at=now, actor=audit.Actor(minter.token_id, minter.role), action="token.create",
-                 outcome=audit.ALLOWED, tenant=tenant.name if tenant else None, resource=f"token:{row.id}",
-                 reason=f"{_describe(row)} minted by {minter.label}{flag}{note}")
+                 outcome=audit.ALERT if alert else audit.ALLOWED, tenant=tenant.name if tenant else None,
+                 resource=f"token:{row.id}", reason=f"{_describe(row)} minted by {minter.label}{flag}{note}")
     return secret, row
 
 
@@ -141,7 +175,7 @@ def authenticate(*, session: Session, token: str) -> Principal | None:
         return None
     tenant = session.get(Tenant, row.tenant_id) if row.tenant_id is not None else None
     return Principal(row.id, Role(row.role), row.tenant_id, tenant.name if tenant else None,
-                     tenant.unix_user if tenant else None)
+                     tenant.unix_user if tenant else None, row.minted_by_operator)
 
 
 def revoke_token(*, session: Session, token_id: int, revoked_by: Minter | None = None,
@@ -206,7 +240,7 @@ def revoke_tenant_token(*, session: Session, principal: Principal, token_id: int
         raise NotFound(f"no token #{token_id} in your tenant", param="token_id")
     minter = minter_of(session=session, principal=principal)
     if minter.operator and not row.minted_by_operator:
-        # else: revoke the tenant's own admins, then claim a token by rotation (no own admin left)
+        # else: an operator's admin token locks the tenant's own admins out
         why = (f"token #{principal.token_id} descends from an operator's mint: it cannot revoke your tenant's "
                f"own token #{token_id}; one of your own admins can")
         bind = session.get_bind()
@@ -225,34 +259,146 @@ def own_admins(*, session: Session, tenant_id: int, besides: int | None = None) 
 
 
 def rotate_token(*, session: Session, principal: Principal, now: datetime) -> tuple[str, ApiToken]:
-    """Replace the caller's token with a new secret (same role, tenant, name) and revoke the
-    old one, in one transaction: a copy of the old secret (e.g. the operator who minted it)
-    stops working.
+    """Replace the caller's token with a new secret (same role, tenant, name and provenance)
+    and revoke the old one, in one transaction: a copy of the old secret stops working.
 
-    An operator-minted tenant_admin token rotated while its tenant has no admin token of its
-    own is *claimed*: the new one decides staff access requests. Otherwise the new token keeps
-    the old one's provenance.
+    An operator-minted token stays operator-minted: whoever minted it can rotate it too.
+    Only ``claim_token``, with the code delivered to the tenant's storage, makes it the
+    tenant's own. Raises Conflict when the caller's token is already revoked.
     """
-    tid = _tenant_of(principal)
+    _tenant_of(principal)
+    old = _live_row(session, principal)
+    note = ("; still operator-minted: rotation claims nothing (`finetune tokens claim` with the code in "
+            "your storage does)") if old.minted_by_operator and old.role == Role.TENANT_ADMIN.value else ""
+    return _replace(session=session, principal=principal, old=old, now=now, operator=old.minted_by_operator,
+                    how="rotation", note=note)
+
+
+def _live_row(session: Session, principal: Principal) -> ApiToken:
     old = session.get(ApiToken, principal.token_id)
-    if old is None or old.revoked_at is not None:
+    if old is None or old.revoked_at is not None or old.id is None:
         raise Conflict(f"token #{principal.token_id} is already revoked")
-    tenant = session.get(Tenant, tid)
+    return old
+
+
+def _replace(*, session: Session, principal: Principal, old: ApiToken, now: datetime, operator: bool,
+             how: str, note: str) -> tuple[str, ApiToken]:
+    """A new token like ``old`` (provenance ``operator``), and ``old`` revoked: (secret, row)."""
+    tenant = session.get(Tenant, old.tenant_id)
     assert tenant is not None and old.id is not None
-    operator, note = old.minted_by_operator, ""
-    if operator and old.role == Role.TENANT_ADMIN.value:
-        others = own_admins(session=session, tenant_id=tid, besides=old.id)
-        if others:
-            note = (f"; still operator-minted: {tenant.name} already has admin tokens of its own "
-                    f"({', '.join(f'#{i}' for i in others)}), one of which can mint you a token that decides")
-        else:
-            operator, note = False, f"; claimed: {tenant.name}'s own admin token now, #{old.id} revoked"
-    minter = Minter(f"rotation of token #{old.id} by its holder", principal.role.value, old.id, operator)
+    minter = Minter(f"{how} of token #{old.id} by its holder", principal.role.value, old.id, operator)
+    claim = None
+    if how == "rotation" and old.claim_code_hash and old.claim_expires_at and old.claimed_at is None:
+        # the claim code moves to the new secret: a tenant that rotated first can still claim
+        claim, old.claim_code_hash, old.claim_expires_at = (old.claim_code_hash, old.claim_expires_at), None, None
+        session.add(old)
+        session.flush()
+        note += f"; its claim code (in {layout.claim_code_file(old.id)}) now claims the new token"
     secret, row = create_token(session=session, role=Role(old.role), tenant=tenant, name=old.name,
-                               minted_by=minter, now=now, operator=operator, note=note)
-    revoke_token(session=session, token_id=old.id, now=now, note=f" (rotated into token #{row.id})",
+                               minted_by=minter, now=now, operator=operator, note=note, claim=claim)
+    revoke_token(session=session, token_id=old.id, now=now, note=f" ({how}: replaced by token #{row.id})",
                  revoked_by=Minter(principal_label(principal), principal.role.value, old.id, operator))
     return secret, row
+
+
+# ------------------------------------------------------------------ claim codes
+@dataclass(frozen=True)
+class Minted:
+    """What ``operator_mint`` made: the secret (shown once), the row, and where the claim
+    code went (``claim_file``: an absolute path in the tenant's storage) or why none was
+    made (``own_admins``: the tenant's own admin tokens, which mint it one that decides)."""
+
+    secret: str
+    row: ApiToken
+    claim_file: str | None = None
+    own_admins: tuple[int, ...] = ()
+
+
+def claim_text(*, tenant: str, token_id: int, code: str, minted_by: str, expires: datetime) -> str:
+    """The claim code file's content: the code on a line of its own, and what to do with it."""
+    return (f"slurm-finetune: the one-time claim code of tenant_admin token #{token_id} of tenant {tenant},\n"
+            f"minted by {minted_by}. It is valid once, until {expires.isoformat(timespec='seconds')}.\n\n"
+            f"{code}\n\n"
+            "With that token logged in (`finetune login`), run:\n"
+            f"    finetune tokens claim --code-file {layout.claim_code_file(token_id)}\n"
+            "The token then becomes your tenant's own (a new secret only you see; the old one is revoked)\n"
+            "and can decide staff access requests. The gateway wrote this file as your unix user, mode 0600;\n"
+            "the operator who minted the token was not shown the code. Delete the file once claimed.\n")
+
+
+def operator_mint(*, session: Session, storage: Storage, role: Role, tenant: Tenant | None, name: str = "",
+                  minted_by: Minter | None = None, now: datetime) -> Minted:
+    """An operator mints a token (``create_token``); a tenant_admin token for a tenant with
+    no admin token of its own also gets a one-time claim code, its hash on the row and the
+    code written into the tenant's storage through ``storage`` (as the tenant). Raises what
+    ``create_token`` raises, and the storage's errors when the code cannot be delivered (the
+    caller's transaction then rolls back: nothing is minted)."""
+    others: tuple[int, ...] = ()
+    if role is Role.TENANT_ADMIN and tenant is not None and tenant.id is not None:
+        others = tuple(own_admins(session=session, tenant_id=tenant.id))
+    if role is not Role.TENANT_ADMIN or tenant is None or others:
+        secret, row = create_token(session=session, role=role, tenant=tenant, name=name, minted_by=minted_by,
+                                   now=now)
+        return Minted(secret, row, own_admins=others)
+    code, expires = CLAIM_PREFIX + secrets.token_urlsafe(36), now + CLAIM_TTL
+    secret, row = create_token(session=session, role=role, tenant=tenant, name=name, minted_by=minted_by, now=now,
+                               claim=(hash_token(code), expires))
+    assert row.id is not None
+    text = claim_text(tenant=tenant.name, token_id=row.id, code=code, minted_by=row.minted_by, expires=expires)
+    stored = str(storage.call(tenant.name, "write_claim", {"token_id": row.id, "text": text}).result["name"])
+    return Minted(secret, row, claim_file=storage.tenant(tenant.name).absolute((stored,)))
+
+
+def _claim_refusal(held: ApiToken | None, old: ApiToken, tid: int, now: datetime) -> ServiceError | None:
+    """Why the code that matches ``held`` (None: matches no token) does not claim ``old``, or None."""
+    if held is None or held.tenant_id != tid:
+        return Forbidden("that is not a claim code of your tenant: give it exactly as the file "
+                         "CLAIM-CODE-<token id> at your storage root holds it", param="code", code="claim_refused")
+    if held.claimed_at is not None:
+        return Conflict(f"this claim code was already used ({held.claimed_at.isoformat()}): it works once; "
+                        f"token #{held.id} was replaced then (`finetune tokens list`)", param="code",
+                        code="claim_used")
+    if held.id != old.id:
+        return Forbidden(f"this claim code is token #{held.id}'s, not the calling token #{old.id}'s: claim it "
+                         "with that token", param="code", code="claim_refused")
+    if held.claim_expires_at is None or now >= held.claim_expires_at:
+        when = held.claim_expires_at.isoformat() if held.claim_expires_at else "?"
+        return Forbidden(f"this claim code expired at {when}: ask your sysadmin for a new tenant_admin token "
+                         "(it comes with a new code)", param="code", code="claim_expired")
+    return None
+
+
+def claim_token(*, session: Session, principal: Principal, code: str, now: datetime) -> tuple[str, ApiToken]:
+    """Make the caller's operator-minted tenant_admin token the tenant's own with its one-time
+    claim code: (the new secret, its row), ``minted_by_operator`` false, the old token revoked.
+
+    Refused and audited (committed although the request fails): Forbidden for a code that
+    is not this token's, or expired; Conflict for a code already used or a revoked caller.
+    """
+    tid = _tenant_of(principal)
+    old = _live_row(session, principal)
+    code = code.strip()
+    held = session.exec(select(ApiToken).where(ApiToken.claim_code_hash == hash_token(code))).first() \
+        if CLAIM_CODE.fullmatch(code) else None
+    why = _claim_refusal(held, old, tid, now)
+    if why is not None:
+        audit.append_now(session.get_bind().engine, at=now,
+                         actor=audit.Actor(principal.token_id, principal.role.value), action="token.claim",
+                         outcome=audit.DENIED, tenant=principal.tenant_name, resource=f"token:{principal.token_id}",
+                         reason=f"refused: {why.message}")
+        raise why
+    # one claim per code even when two race: the row changes only while it is unclaimed and live
+    t = ApiToken.__table__  # type: ignore[attr-defined]
+    won = session.execute(sa.update(t).where(t.c.id == old.id, t.c.claimed_at.is_(None), t.c.revoked_at.is_(None))
+                          .values(claimed_at=now))
+    if won.rowcount != 1:  # type: ignore[attr-defined]
+        raise Conflict("this claim code was just used: it works once (`finetune tokens list`)", param="code",
+                       code="claim_used")
+    session.refresh(old)
+    name = principal.tenant_name
+    return _replace(session=session, principal=principal, old=old, now=now, operator=False, how="claim",
+                    note=f"; claimed with the one-time code delivered to {name}'s storage: {name}'s own admin "
+                         "token now, it decides staff access requests")
 
 
 def decide_refusal(*, session: Session, principal: Principal) -> str | None:
@@ -268,9 +414,9 @@ def decide_refusal(*, session: Session, principal: Principal) -> str | None:
         return None
     by = row.minted_by or "an unrecorded minter"
     return (f"token #{principal.token_id} was minted by {by}, an operator, so it cannot approve, deny or revoke "
-            "staff access requests (an operator could be deciding its own request). Claim a token of your own "
-            "with `finetune tokens rotate` (while your tenant has no admin token of its own), or ask one of "
-            "your tenant's own admins (`finetune tokens list`)")
+            "staff access requests (an operator could be deciding its own request). Claim it with the one-time "
+            "code your sysadmin's mint wrote into your storage (`finetune tokens claim --code-file "
+            "CLAIM-CODE-<token id>`), or ask one of your tenant's own admins (`finetune tokens list`)")
 
 
 def token_object(row: ApiToken) -> dict[str, Any]:
@@ -283,4 +429,6 @@ def token_object(row: ApiToken) -> dict[str, Any]:
             "minted_by": row.minted_by, "minted_by_token_id": row.minted_by_token_id,
             "minted_by_operator": row.minted_by_operator,
             "decides_access": row.role == Role.TENANT_ADMIN.value and not row.minted_by_operator
-            and row.revoked_at is None}
+            and row.revoked_at is None,
+            "claim_expires_at": ts(row.claim_expires_at) if row.claimed_at is None and row.revoked_at is None
+            else None, "claimed_at": ts(row.claimed_at)}

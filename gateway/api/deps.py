@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from sqlmodel import Session
 
-from gateway.access.policy import OPERATOR_ROLES, Policy, admits, declares, refusal
+from gateway.access.policy import OPERATOR_ROLES, Policy, admits, declares, refusal, tenant_read
 from gateway.access.tokens import Principal, authenticate
 from gateway.config import Settings
 from gateway.db import session_scope
@@ -109,7 +109,8 @@ def access(policy: Policy | str) -> Any:
     """``Depends`` that declares and enforces a route's access policy (gateway.access).
 
     Operators (staff, sysadmin) refused by a tenant route are audited: an attempt to
-    reach tenant content outside the grant-checked staff routes leaves a trace.
+    reach tenant content outside the grant-checked staff routes leaves a trace. So is every
+    read of tenant data (``policy.tenant_read``) made with an operator-minted tenant token.
     """
     policy = Policy(policy)
     if policy is Policy.PUBLIC:
@@ -126,6 +127,13 @@ def access(policy: Policy | str) -> Any:
                 record_refusal(request.app.state.engine, now=now_for(request, session), principal=principal,
                                path_params=request.path_params, route=f"{request.method} {request.url.path}")
             raise Forbidden(refusal(policy, principal.role))
+        if principal.operator_minted and principal.tenant_id is not None:
+            route = getattr(request.scope.get("route"), "path", request.url.path)
+            if (action := tenant_read(policy, request.method, route)) is not None:
+                from gateway.access.staff import record_tenant_read
+
+                record_tenant_read(request.app.state.engine, now=now_for(request, session), principal=principal,
+                                   action=action, path_params=request.path_params, route=f"{request.method} {route}")
         return principal
 
     return Depends(declares(check, policy))

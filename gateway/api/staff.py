@@ -6,7 +6,9 @@
 - /v1/access-requests, /v1/audit: tenants list requests for their resources, their
   admin approves, denies or revokes, and everyone in the tenant reads its audit trail.
 - /v1/tokens: the tenant's tokens and who minted each (every mint and revocation is in its
-  audit trail); its admin mints and revokes them, and any token rotates itself.
+  audit trail); its admin mints and revokes them, and any token rotates itself. An
+  operator-minted admin token becomes the tenant's own only with the one-time claim code
+  delivered to the tenant's storage (``/v1/tokens/claim``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ class NewRequest(BaseModel):
     resource: Annotated[str, Field(min_length=3, max_length=60)]
     reason: Annotated[str, Field(min_length=1, max_length=1000)]
     duration: Annotated[str, Field(max_length=12)] | Annotated[int, Field(ge=1)] = "2h"
+
+
+class Claim(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    code: Annotated[str, Field(min_length=1, max_length=200)]
 
 
 class NewToken(BaseModel):
@@ -154,8 +161,18 @@ def mint_token(body: NewToken, session: SessionDep, principal: PrincipalDep, now
 
 @router.post("/v1/tokens/rotate", dependencies=TENANT, status_code=201)
 def rotate_token(session: SessionDep, principal: PrincipalDep, now: NowDep) -> dict[str, Any]:
-    """Replace the calling token with a new secret and revoke it (claims an operator-minted admin token)."""
+    """Replace the calling token with a new secret and revoke it; its provenance stays (an operator-minted
+    token stays operator-minted: claim it with ``/v1/tokens/claim``)."""
     secret, row = tokens_svc.rotate_token(session=session, principal=principal, now=now)
+    return _with_secret(secret, row)
+
+
+@router.post("/v1/tokens/claim", dependencies=TENANT, status_code=201)
+def claim_token(body: Claim, session: SessionDep, principal: PrincipalDep, now: NowDep) -> dict[str, Any]:
+    """Make the calling operator-minted tenant_admin token the tenant's own with the one-time code the
+    operator's mint wrote into the tenant's storage: a new secret (in this answer only), the old one
+    revoked. 403 for a wrong or expired code, 409 for a used one (each audited)."""
+    secret, row = tokens_svc.claim_token(session=session, principal=principal, code=body.code, now=now)
     return _with_secret(secret, row)
 
 

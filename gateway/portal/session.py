@@ -182,7 +182,7 @@ def principal_for(session: Session, payload: dict[str, Any]) -> Principal | None
         return None
     tenant = session.get(Tenant, row.tenant_id) if row.tenant_id is not None else None
     return Principal(row.id, Role(row.role), row.tenant_id, tenant.name if tenant else None,
-                     tenant.unix_user if tenant else None)
+                     tenant.unix_user if tenant else None, row.minted_by_operator)
 
 
 def session_payload(request: Request) -> dict[str, Any] | None:

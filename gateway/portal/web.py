@@ -18,7 +18,7 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 from sqlmodel import Session
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.access.policy import OPERATOR_ROLES, Policy, admits, declares, refusal
+from gateway.access.policy import OPERATOR_ROLES, Policy, admits, declares, refusal, tenant_read
 from gateway.api.deps import SessionDep, now_for
 from gateway.api.limits import SCOPE_FLAG as BODY_TOO_LARGE
 from gateway.errors import Forbidden, ServiceError
@@ -139,7 +139,8 @@ UserDep = Annotated[PortalUser, Depends(get_user)]
 def portal_access(policy: Policy | str) -> Any:
     """``Depends`` that declares and enforces a page's access policy, like the API's ``access``.
 
-    Operators refused by a tenant page are audited, as on the API.
+    Operators refused by a tenant page are audited, as on the API, and so are reads of tenant
+    data made with an operator-minted token.
     """
     policy = Policy(policy)
     if policy is Policy.PUBLIC:
@@ -157,6 +158,14 @@ def portal_access(policy: Policy | str) -> Any:
                 record_refusal(request.app.state.engine, now=now_for(request, session), principal=user.principal,
                                path_params=request.path_params, route=f"{request.method} {request.url.path}")
             raise Forbidden(refusal(policy, role).replace("this route", "this page"))
+        p = user.principal
+        if p.operator_minted and p.tenant_id is not None:
+            route = getattr(request.scope.get("route"), "path", request.url.path)
+            if (action := tenant_read(policy, request.method, route)) is not None:
+                from gateway.access.staff import record_tenant_read
+
+                record_tenant_read(request.app.state.engine, now=now_for(request, session), principal=p,
+                                   action=action, path_params=request.path_params, route=f"{request.method} {route}")
         return user
 
     return Depends(declares(check, policy))

@@ -1,11 +1,14 @@
 """Who may do what: `login` (save the URL and token), the `tokens` group (list, mint, revoke,
-rotate your tenant's tokens), support staff's access requests (`staff`), a tenant admin's
-decisions on them (`access`) and the tenant's audit trail (`audit`)."""
+rotate your tenant's tokens, claim an operator-minted admin token with its one-time code),
+support staff's access requests (`staff`), a tenant admin's decisions on them (`access`)
+and the tenant's audit trail (`audit`)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+from pathlib import Path
 from typing import Any
 
 import click
@@ -164,8 +167,9 @@ def _show_new(obj: dict[str, Any], as_json: bool) -> None:
         return
     click.echo(f"token #{obj['id']} ({obj['role']}), shown once: {obj['token']}")
     if obj["role"] == "tenant_admin" and not obj.get("decides_access"):
-        click.echo("  it cannot decide staff access requests (operator-minted): ask one of your tenant's own "
-                   "admins (`finetune tokens list`) to mint you one")
+        click.echo("  it cannot decide staff access requests (operator-minted): claim it with its one-time code "
+                   "(`finetune tokens claim --code-file CLAIM-CODE-<token id>` at your storage root), or ask one "
+                   "of your tenant's own admins (`finetune tokens list`) to mint you one")
 
 
 @tokens.command("create")
@@ -186,17 +190,8 @@ def tokens_revoke(token_id: int, as_json: bool) -> None:
     _echo_json(obj) if as_json else click.echo(_token_line(obj))
 
 
-@tokens.command("rotate")
-@click.option("--json", "as_json", is_flag=True)
-def tokens_rotate(as_json: bool) -> None:
-    """Replace your token with a new secret and revoke the old one (a copy anyone kept stops working).
-
-    Rotating the tenant_admin token your sysadmin gave you claims it: the new one decides staff
-    access requests (while your tenant has no admin token of its own yet). The saved
-    credentials of `finetune login` are updated; a token in SFT_API_TOKEN is not.
-    """
-    url, old = connection()
-    obj = call("POST", "/v1/tokens/rotate").json()
+def _replace_saved(url: str, old: str, obj: dict[str, Any], as_json: bool) -> None:
+    """Put the new token ``obj`` where `finetune login` saved ``old`` (not SFT_API_TOKEN), and print it."""
     path, saved = _credentials_path(), False
     if not get_settings().api_token:
         try:
@@ -215,3 +210,52 @@ def tokens_rotate(as_json: bool) -> None:
     _show_new(obj, as_json=False)
     click.echo(f"  token #{obj['minted_by_token_id']} is revoked; "
                + (f"saved the new one in {path}" if saved else "put the new one where you keep your token"))
+
+
+@tokens.command("rotate")
+@click.option("--json", "as_json", is_flag=True)
+def tokens_rotate(as_json: bool) -> None:
+    """Replace your token with a new secret and revoke the old one (a copy anyone kept stops working).
+
+    Its provenance stays: a token an operator minted stays operator-minted (claim it with
+    `finetune tokens claim`). The saved credentials of `finetune login` are updated; a token
+    in SFT_API_TOKEN is not.
+    """
+    url, old = connection()
+    _replace_saved(url, old, call("POST", "/v1/tokens/rotate").json(), as_json)
+
+
+CLAIM_CODE = re.compile(r"sftclaim_[A-Za-z0-9_-]{40,60}")
+
+
+def _read_code(code: str | None, code_file: str | None) -> str:
+    if (code is None) == (code_file is None):
+        raise click.UsageError("give the claim code, or --code-file with the file that holds it")
+    if code is not None:
+        return code.strip()
+    try:
+        text = Path(code_file or "").read_text(errors="replace")
+    except OSError as e:
+        raise click.ClickException(f"cannot read {code_file}: {e.strerror or e}") from None
+    found = CLAIM_CODE.findall(text)
+    if len(found) != 1:
+        raise click.ClickException(f"{code_file} holds {len(found)} claim codes (sftclaim_...), not one")
+    return str(found[0])
+
+
+@tokens.command("claim")
+@click.argument("code", required=False)
+@click.option("--code-file", type=click.Path(dir_okay=False), help="The file holding the code, e.g. the "
+              "CLAIM-CODE-<token id> your sysadmin's mint wrote at your storage root (keeps it out of shell history).")
+@click.option("--json", "as_json", is_flag=True)
+def tokens_claim(code: str | None, code_file: str | None, as_json: bool) -> None:
+    """Make the tenant_admin token your sysadmin minted your tenant's own, with its one-time claim code.
+
+    The code is in your tenant's storage, readable only by your unix user; the operator never saw
+    it. The token is replaced by a new secret only you see (it decides staff access requests) and
+    the old one is revoked; the saved credentials of `finetune login` are updated. Works once,
+    within 7 days of the mint.
+    """
+    claim = _read_code(code, code_file)
+    url, old = connection()
+    _replace_saved(url, old, call("POST", "/v1/tokens/claim", json={"code": claim}).json(), as_json)

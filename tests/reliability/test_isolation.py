@@ -181,8 +181,8 @@ def test_every_route_with_another_tenants_token_shows_nothing(world: dict[str, A
                           "grid": {"lora_r": [4, 8]}}
         elif path in ("/v1/files", "/portal/datasets") and method == "POST":
             continue          # B uploading its own file: covered by the dedup test below
-        elif path in ("/v1/tokens", "/v1/tokens/rotate") and method == "POST":
-            continue          # B minting or rotating its own tokens: tests/service/test_staff_tokens.py
+        elif path in ("/v1/tokens", "/v1/tokens/rotate", "/v1/tokens/claim") and method == "POST":
+            continue          # B minting, rotating, claiming its own tokens: tests/service/test_token_claim.py
         if path.startswith("/portal"):
             data = {"csrf": csrf, "training_file": world["file"], "model": "tiny-chat"} if method == "POST" else None
             r = portal.request(method, url, data=data, follow_redirects=False)

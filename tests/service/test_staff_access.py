@@ -18,10 +18,11 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlmodel import Session, func, select
 
-from gateway.access.tokens import create_token
+from gateway.access.tokens import operator_mint
 from gateway.config import get_settings
 from gateway.models import AuditEntry, DataFile, FineTuningJob, JobEvent, Role, Tenant
 from gateway.services.tenants import get_tenant
+from gateway.storage import storage_for
 from gateway.storage.layout import result_path, tenant_root
 from tests.service.conftest import TENANT_A, TENANT_B, Gateway, chat_lines
 
@@ -45,13 +46,18 @@ class World:
 
     def token(self, name: str, role: Role, tenant: str | None = None, claim: bool = True) -> str:
         """A token as the admin CLI mints it; a tenant_admin one is then claimed by its holder
-        (rotated: the tenant's own), unless ``claim`` is False (it stays operator-minted)."""
+        with the one-time code the mint wrote into the tenant's storage (the tenant's own),
+        unless ``claim`` is False (it stays operator-minted)."""
         with Session(self.gw.app.state.engine) as s:
             t = get_tenant(session=s, name=tenant) if tenant else None
-            self.tokens[name], _ = create_token(session=s, role=role, tenant=t, name=name)
+            minted = operator_mint(session=s, storage=storage_for(self.gw.settings), role=role, tenant=t,
+                                   name=name, now=self.clock["now"])
             s.commit()
+        self.tokens[name] = minted.secret
         if role is Role.TENANT_ADMIN and claim:
-            r = self.gw.client.post("/v1/tokens/rotate", headers=self.h(name))
+            assert minted.claim_file, "the tenant has an admin of its own: no claim code"
+            r = self.gw.client.post("/v1/tokens/claim", headers=self.h(name),
+                                    json={"code": claim_code_in(minted.claim_file)})
             assert r.status_code == 201 and r.json()["decides_access"], r.text
             self.tokens[name] = r.json()["token"]
         return self.tokens[name]
@@ -87,6 +93,13 @@ class World:
                          .order_by(AuditEntry.seq.desc())).first()  # type: ignore[attr-defined]
             assert row is not None
             return row
+
+
+def claim_code_in(path: str) -> str:
+    """The claim code in a CLAIM-CODE file (the test runs as root, which can read it)."""
+    found = re.findall(r"sftclaim_[A-Za-z0-9_-]+", Path(path).read_text())
+    assert len(found) == 1, found
+    return str(found[0])
 
 
 def token_id(s: Session, secret: str) -> int:

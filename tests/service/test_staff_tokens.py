@@ -1,6 +1,7 @@
 """Token provenance on a real database: every mint and revocation for a tenant is in its
 audit log naming who did it; tenants list their tokens; a tenant_admin token an operator
-minted cannot decide staff access requests (refused, audited) until the tenant claims one."""
+minted cannot decide staff access requests (refused, audited), and rotating it changes nothing
+(claiming it needs the one-time code in the tenant's storage: tests/service/test_token_claim.py)."""
 
 from __future__ import annotations
 
@@ -68,10 +69,10 @@ def test_every_mint_and_revocation_is_in_the_tenant_audit_log(w: World, finetune
     w.tokens["ops-admin"] = minted["token"]
     entries = audit_of(w, TENANT_A)
     mint = next(e for e in entries if e["resource"] == f"token:{minted['id']}")
-    assert mint["action"] == "token.create" and mint["outcome"] == "allowed" and mint["tenant"] == TENANT_A
+    assert mint["action"] == "token.create" and mint["outcome"] == "alert" and mint["tenant"] == TENANT_A
     assert mint["actor_token_id"] is None and mint["actor_role"] == "sysadmin"
     assert f"tenant_admin token #{minted['id']} 'from-ops' minted by {LOCAL}" in mint["reason"]
-    assert "operator-minted" in mint["reason"]
+    assert "operator-minted" in mint["reason"] and "every read of your data made with it is audited" in mint["reason"]
 
     # through the API: the tenant's own admin mints and revokes; a rotation mints and revokes
     r = w.gw.client.post("/v1/tokens", headers=w.h("admin-a"), json={"role": "member", "name": "ci"})
@@ -94,10 +95,11 @@ def test_every_mint_and_revocation_is_in_the_tenant_audit_log(w: World, finetune
     cli_revoke = by_resource[("token.revoke", f"token:{minted['id']}")]
     assert f"revoked by {LOCAL}" in cli_revoke["reason"] and cli_revoke["actor_token_id"] is None
     assert sum(1 for e in entries if e["action"] == "token.revoke" and e["resource"] == f"token:{minted['id']}") == 1
-    # the world's admin token was claimed by rotation: both halves are logged
-    assert any(e["action"] == "token.create" and "rotation of token #" in e["reason"] and "claimed" in e["reason"]
+    assert api_mint["outcome"] == "allowed", "the tenant's own admin's mint is no alert"
+    # the world's admin token was claimed with its code: both halves are logged
+    assert any(e["action"] == "token.create" and "claim of token #" in e["reason"] and "claimed" in e["reason"]
                for e in entries)
-    assert any(e["action"] == "token.revoke" and "rotated into token #" in e["reason"] for e in entries)
+    assert any(e["action"] == "token.revoke" and "claim: replaced by token #" in e["reason"] for e in entries)
     # never a secret; other tenants see none of it; the user CLI lists it
     blob = json.dumps(entries)
     assert "sft_" not in blob
@@ -131,7 +133,7 @@ def test_tenants_list_their_tokens(w: World, finetune: Any) -> None:
     assert "token_hash" not in json.dumps(r.json()) and minted["token"] not in r.text
     admins = [t for t in rows.values() if t["role"] == "tenant_admin"]
     assert [a["decides_access"] for a in admins if a["revoked_at"] is None] == [True]
-    assert any(a["revoked_at"] and a["revoked_by"] for a in admins), "the CLI-minted admin token, rotated"
+    assert any(a["revoked_at"] and a["revoked_by"] for a in admins), "the CLI-minted admin token, claimed"
     # only this tenant's tokens; operators are refused
     b_ids = {t["id"] for t in w.gw.client.get("/v1/tokens", headers=w.h(TENANT_B)).json()["data"]}
     assert b_ids and not b_ids & set(rows)
@@ -158,7 +160,7 @@ def test_operator_minted_admin_token_cannot_decide_requests(w: World) -> None:
         assert r.status_code == 403, (action, r.text)
         msg = r.json()["error"]["message"]
         assert f"minted by {LOCAL}, an operator" in msg and "cannot approve, deny or revoke" in msg
-        assert "finetune tokens rotate" in msg
+        assert "finetune tokens claim" in msg
         entry = w.last_audit(w.tokens["ops-admin"])
         assert (entry.action, entry.outcome, entry.grant_id, entry.tenant) == \
             (f"access.{action}", "denied", req, TENANT_A), entry
@@ -193,16 +195,17 @@ def test_operator_minted_admin_token_cannot_decide_requests(w: World) -> None:
     assert f"/portal/access/{pending}/approve" in own.text
 
 
-def test_claiming_an_admin_token_by_rotation(w: World) -> None:
-    # tenant B's admin was claimed by the world; a second CLI-minted admin for B cannot be claimed
+def test_rotation_never_claims_an_operator_minted_admin_token(w: World) -> None:
+    # tenant B's admin was claimed by the world; a second CLI-minted admin for B gets no claim code
     minted = cli_mint(w, "tenant_admin", tenant=TENANT_B)
+    assert minted["claim_file"] is None and minted["claim_expires_at"] is None
     r = w.gw.client.post("/v1/tokens/rotate", headers={"Authorization": f"Bearer {minted['token']}"})
     assert r.status_code == 201, r.text
     second = r.json()
     assert second["minted_by_operator"] is True and second["decides_access"] is False
     assert second["minted_by"] == f"rotation of token #{minted['id']} by its holder"
     note = next(e for e in audit_of(w, TENANT_B) if e["resource"] == f"token:{second['id']}")["reason"]
-    assert "still operator-minted" in note and "already has admin tokens of its own" in note
+    assert "still operator-minted" in note and "rotation claims nothing" in note
     # the old secret stops working; the new one works, but decides nothing
     forget_cached_tokens(w)
     assert w.gw.client.get("/v1/tokens", headers={"Authorization": f"Bearer {minted['token']}"}).status_code == 401

@@ -17,6 +17,7 @@ from gateway.access.policy import (
     parse_duration,
     parse_resource,
     routes_by_policy,
+    tenant_read,
     undeclared_routes,
 )
 from gateway.api.app import create_app
@@ -53,6 +54,7 @@ def test_every_route_of_the_app_declares_its_policy(app: FastAPI) -> None:
     assert table["GET /v1/tokens"] is Policy.TENANT
     assert table["POST /v1/tokens"] is Policy.TENANT_ADMIN
     assert table["POST /v1/tokens/rotate"] is Policy.TENANT
+    assert table["POST /v1/tokens/claim"] is Policy.TENANT
     assert table["POST /v1/tokens/{token_id}/revoke"] is Policy.TENANT_ADMIN
 
 
@@ -152,3 +154,24 @@ def test_parse_resource_and_duration() -> None:
     for bad in ("2", "2w", "30s", "8d", "-1h"):
         with pytest.raises(AccessError, match="duration"):
             parse_duration(bad)
+
+
+def test_which_requests_are_reads_of_tenant_data(app: FastAPI) -> None:
+    """Every GET of a tenant route is a read (audited for operator-minted tokens) unless it is one of
+    the tenant's access views; writes and operator-only routes are not."""
+    assert tenant_read(Policy.TENANT, "GET", "/v1/files/{file_id}/content") == "read.files.content"
+    assert tenant_read(Policy.TENANT, "GET", "/v1/fine_tuning/jobs/{job_id}/events") == "read.fine_tuning.jobs.events"
+    assert tenant_read(Policy.TENANT, "GET", "/v1/fine_tuning/jobs") == "read.fine_tuning.jobs"
+    assert tenant_read(Policy.AUTHENTICATED, "GET", "/v1/models/{model_id:path}") == "read.models"
+    assert tenant_read(Policy.TENANT, "HEAD", "/v1/files") == "read.files"
+    for policy, method, route in ((Policy.TENANT, "POST", "/v1/files"), (Policy.TENANT, "GET", "/v1/tokens"),
+                                  (Policy.TENANT, "GET", "/v1/audit"), (Policy.TENANT, "GET", "/v1/access-requests"),
+                                  (Policy.STAFF_GRANT, "GET", "/v1/staff/files/{file_id}/content"),
+                                  (Policy.PUBLIC, "GET", "/healthz"), (Policy.SYSADMIN, "GET", "/metrics")):
+        assert tenant_read(policy, method, route) is None, route
+    reads = {label for label, policy in routes_by_policy(app).items()
+             if policy is not None and label.startswith("GET /v1/")
+             and tenant_read(policy, "GET", label.removeprefix("GET ")) is not None}
+    assert {"GET /v1/files/{file_id}/content", "GET /v1/fine_tuning/jobs/{job_id}/events",
+            "GET /v1/fine_tuning/jobs", "GET /v1/files"} <= reads
+    assert not any("/staff/" in r or "/tokens" in r for r in reads)
