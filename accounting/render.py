@@ -80,7 +80,7 @@ def usage_text(report: UsageReport, fmt: str) -> str:
             "window": {"start": report.window.start.isoformat(), "end": report.window.end.isoformat()},
             "by": report.by, "generated_at": report.generated_at.isoformat(), "rows": dicts[:-1],
             "total": dicts[-1], "gpu_hours_by_tenant_day": report.gpu_hours_by_tenant_day,
-            "note": report.note,
+            "note": report.note, "skipped_records": list(report.skipped),
         }, indent=2)
     if fmt == "csv":
         return _csv(dicts)
@@ -96,6 +96,7 @@ def usage_text(report: UsageReport, fmt: str) -> str:
     lines = [_window_line(report), _table(header, body)]
     if report.note:
         lines.append(f"note: {report.note}")
+    lines += [f"flagged: a sacct record skipped, not counted: {s}" for s in report.skipped]
     return "\n".join(lines)
 
 

@@ -151,6 +151,7 @@ class UsageReport:
     gpu_hours_by_tenant_day: dict[str, dict[str, float]]  # for the chart: tenant → UTC day → hours
     waits_s: tuple[float, ...]                             # every queue wait, for the chart
     note: str | None                                       # what could not be reported, and why
+    skipped: tuple[str, ...] = ()                          # sacct records that did not parse: flagged, not counted
 
 
 def _group_key(r: AcctRecord, by: str) -> str:
@@ -177,8 +178,9 @@ def usage_report(records: Sequence[AcctRecord], window: Window, *, by: str = "te
     """Aggregate sacct rows (``sacct --duplicates``: every run) over ``window`` by ``by``.
 
     ``facts`` are the gateway DB's cancellations and scrub failures, or None where
-    that DB is not available (the report then says so). Raises AccountingError for
-    an unknown ``by``.
+    that DB is not available (the report then says so). Records the parser skipped
+    (``records.skipped``, a ``Rows``) are flagged in ``skipped``, never counted. Raises
+    AccountingError for an unknown ``by``.
     """
     if by not in GROUPINGS:
         raise AccountingError(f"--by {by!r} is not a grouping; valid: {', '.join(GROUPINGS)}")
@@ -226,6 +228,7 @@ def usage_report(records: Sequence[AcctRecord], window: Window, *, by: str = "te
         window=window, by=by, generated_at=now, rows=rows, total=total.row("TOTAL", facts),
         gpu_hours_by_tenant_day={t: dict(sorted(d.items())) for t, d in sorted(tenant_day.items())},
         waits_s=tuple(waits), note=NOT_AVAILABLE if facts is None else None,
+        skipped=tuple(str(b) for b in getattr(records, "skipped", ())),
     )
 
 

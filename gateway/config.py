@@ -89,6 +89,10 @@ class Settings(BaseSettings):
     eval_gate: str = "not_worse"                 # not_worse | off
     eval_gate_tolerance: float = 0.0
     reconcile_interval_s: float = 2.0
+    # How long a reconcile cycle waits, all tenants together, for the tenants' storage calls (events
+    # reads, the temp sweep; they run side by side): a tenant that has not answered by then (its broker
+    # child stopped, its storage wedged) is left for a later cycle and never stalls the others' jobs.
+    broker_cycle_timeout_s: float = 3.0
     reconcile_max_backoff_s: float = 60.0
     scrub_report_dir: Path = Path("/var/lib/slurm-finetune/scrub")
     slurm_partition: str | None = None

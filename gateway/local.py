@@ -171,14 +171,15 @@ class LocalScheduler:
             f.write(str(jid + 1))
             return jid
 
-    def requeue(self, job_id: int) -> None:
+    def requeue(self, job_id: int, *, owner: rec.Owner) -> None:
         """Always raises SlurmError: local mode cannot requeue a job."""
         raise SlurmError("local mode has no requeue")
 
-    def cancel(self, job_id: int, *, deadline_s: float = 30.0, poll_s: float = 0.25,
+    def cancel(self, job_id: int, *, owner: rec.Owner, deadline_s: float = 30.0, poll_s: float = 0.25,
                kill_wait_s: float = 60.0) -> CancelResult:
         """SIGTERM to the trainer (through submitit's controller and ``run_job``); SIGKILL to its
-        process group once ``deadline_s`` passes. Returns when no process of the job is left."""
+        process group once ``deadline_s`` passes. Returns when no process of the job is left. Every
+        local job is this user's own: ``owner`` is not checked."""
         start = time.monotonic()
         folder = self.root / str(int(job_id))
         if not folder.is_dir():
@@ -205,16 +206,17 @@ class LocalScheduler:
         """The status of each local job, from its folder (``missing`` when it has none)."""
         return {int(j): self._state(int(j)) for j in job_ids}
 
-    def pause(self, job_id: int) -> str | None:
+    def pause(self, job_id: int, *, owner: rec.Owner) -> str | None:
         """Local mode has no queue to hold a job in: refused (the API answers 409 before this)."""
         raise SlurmError("local mode cannot pause a job: it has no scheduler queue")
 
-    def release(self, job_id: int) -> None:
+    def release(self, job_id: int, *, owner: rec.Owner) -> None:
         """See :meth:`pause`."""
         raise SlurmError("local mode cannot pause or resume a job: it has no scheduler queue")
 
-    def find_by_name(self, names: Iterable[str]) -> dict[str, int]:
-        """Local job ids by job name (from each job folder's meta.json); names not found are left out."""
+    def find_by_name(self, names: Iterable[str], *, since: datetime | None = None) -> dict[str, int]:
+        """Local job ids by job name (from each job folder's meta.json, written by this scheduler, not by
+        a job); names not found are left out. Every local job is this user's: owners are not checked."""
         wanted, found = set(names), {}
         for folder in self.root.glob("[0-9]*"):
             meta = _read_json(folder / "meta.json") or {}
@@ -245,9 +247,9 @@ class LocalScheduler:
             self._jobs.pop(jid, None)         # reaped by submitit's poll
         done = _read_json(folder / "exit.json")
         cancelled = (folder / "cancel").exists()
-        submitted, name, account = _iso(meta.get("submit")), str(meta.get("name")), str(meta.get("account"))
+        submitted, account = _iso(meta.get("submit")), str(meta.get("account"))
         if done is None and self._alive(folder / "pid"):
-            q = rec.QueueRecord(jid, S.RUNNING, None, self._user(), account, QOS, submitted, submitted, NODE, name, 0)
+            q = rec.QueueRecord(jid, S.RUNNING, None, self._user(), account, QOS, submitted, submitted, NODE, 0)
             return JobStatus(jid, S.RUNNING, None, "squeue", queue=q)
         rc = done.get("rc") if done else None
         if cancelled:
@@ -260,7 +262,7 @@ class LocalScheduler:
             state = S.FAILED
         code = (rc, 0) if isinstance(rc, int) and rc >= 0 else (0, -rc if isinstance(rc, int) else 9)
         reason = None if done else "the job's processes ended without an exit status"
-        a = rec.AcctRecord(str(jid), jid, name, self._user(), account, QOS, state, code, reason, submitted,
+        a = rec.AcctRecord(str(jid), jid, self._user(), account, QOS, state, code, reason, submitted,
                            submitted, submitted, _iso(done.get("end")) if done else None, None, "", "", NODE, None)
         return JobStatus(jid, state, reason, "sacct", acct=a)
 

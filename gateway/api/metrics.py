@@ -6,7 +6,8 @@ method, route template (``/v1/fine_tuning/jobs/{job_id}``, never the id: a bound
 and status. Everything else is read when scraped (``StateCollector``): jobs by tenant, state
 and phase, each running job's tokens/s and the age of its last line and checkpoint
 (``services.operations``), and, from the in-process reconciler, its cycles, their seconds,
-the failed ones by cause, and the detectors' findings by rule.
+the failed ones by cause, the tenants' storage calls it gave up waiting for or skipped, and the
+detectors' findings by rule.
 """
 
 from __future__ import annotations
@@ -66,6 +67,13 @@ class StateCollector(Collector):
         yield CounterMetricFamily("sft_reconcile_seconds", "Seconds spent in reconcile cycles", value=stats.seconds)
         yield GaugeMetricFamily("sft_reconcile_last_cycle_seconds", "The last reconcile cycle's seconds",
                                 value=stats.last_seconds)
+        missed = CounterMetricFamily(
+            "sft_reconcile_storage_missed", "Tenants' storage calls that gave a reconcile cycle no answer, by "
+            "verb and outcome: error, late (the cycle stopped waiting; the tenant is read later), skipped (not "
+            "made: the tenant's previous call still ran, or it pauses after a failure)", labels=["verb", "outcome"])
+        for (verb, outcome), n in sorted(dict(stats.storage_missed).items()):
+            missed.add_metric([verb, outcome], n)
+        yield missed
         yield GaugeMetricFamily("sft_reconciler_leader", "1 while this process holds the reconciler lease",
                                 value=1.0 if rec.lease.held else 0.0)
         yield CounterMetricFamily("sft_reconciler_lease_takeovers", "Times this process took the reconciler lease",

@@ -15,8 +15,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import cached_property, partial
+from typing import Any
 
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
@@ -27,6 +30,7 @@ from gateway.jobs import detectors
 from gateway.jobs.leader import Lease, LeaseLost
 from gateway.jobs.scheduler import Scheduler
 from gateway.jobs.state import Action, Cleanup, Event, FailReason, JobState, SlurmState, decide, from_slurm
+from gateway.jobs.tenantcalls import Round, TenantCalls
 from gateway.models import FineTuningJob, Tenant, utcnow
 from gateway.scrub import ScrubReportError, read_report, report_path
 from gateway.services import jobs as job_service
@@ -37,8 +41,9 @@ from gateway.services.publication import fine_tuned_model_name as fine_tuned_mod
 from gateway.services.publication import publish_attempt
 from gateway.services.recovery import resubmittable_spec
 from gateway.slurm.client import JobStatus
-from gateway.slurm.records import SlurmParseError, expand_nodelist
+from gateway.slurm.records import Owner, SlurmParseError, expand_nodelist
 from gateway.storage import storage_for
+from gateway.storage.layout import unix_user_for
 
 log = logging.getLogger(__name__)
 WATCHED = (JobState.QUEUED, JobState.RUNNING, JobState.PAUSED, JobState.PUBLISHING, JobState.CANCELLING)
@@ -60,12 +65,16 @@ START_REFRESH_S = 30.0     # how often queued jobs' expected starts are read aga
 
 @dataclass
 class LoopStats:
-    """What the loop did since start, for /metrics: cycles, their seconds, the failed ones by cause."""
+    """What the loop did since start, for /metrics: cycles, their seconds, the failed ones by cause, and
+    the tenants' storage calls that gave a cycle no answer, by (verb, outcome): ``error``, ``late`` (the
+    cycle stopped waiting) or ``skipped`` (not made: the tenant's previous call still ran, or it pauses
+    after a failure)."""
 
     cycles: int = 0
     seconds: float = 0.0
     last_seconds: float = 0.0
     failed: dict[str, int] = field(default_factory=dict)
+    storage_missed: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def observe(self, seconds: float, failed: str | None = None) -> None:
         """Count one cycle of ``seconds`` (``failed``: why it failed, "slurm", "lease" or "internal")."""
@@ -94,6 +103,8 @@ class Reconciler:
         self.stats = LoopStats()
         self._delivering = False
         self._next_starts = 0.0
+        self.alerts = 0           # records not acted on (another owner's, or untrustworthy), for /metrics
+        self._alerted: set[tuple[str, int | None, str]] = set()
         self.lease = Lease(engine, "reconciler", ttl_s=settings.reconciler_lease_s)
         self.fence: Lease | None = None       # set by ``run``: every cycle's writes are fenced by the lease
 
@@ -201,29 +212,54 @@ class Reconciler:
         return stats
 
     def _read_events(self, jobs: list[FineTuningJob], tenants: dict[int | None, Tenant]) -> dict[str, bytes]:
-        """New trainer events of every active job: ONE broker request per tenant per cycle."""
-        by_tenant: dict[int, dict[str, int]] = {}
+        """New trainer events of every active job: ONE broker request per tenant per cycle, the tenants'
+        side by side, waited for at most ``broker_cycle_timeout_s`` together. A tenant that did not answer
+        in time (or is still busy or pausing: ``TenantCalls``) is read in a later cycle: ingestion starts
+        at each job's recorded offset, so its jobs lose nothing, and it never stalls another tenant's."""
+        by_tenant: dict[str, dict[str, int]] = {}
         for job in jobs:
-            by_tenant.setdefault(job.tenant_id, {})[job.id] = job.events_offset
+            by_tenant.setdefault(tenants[job.tenant_id].name, {})[job.id] = job.events_offset
+        calls = {name: partial(self.storage.tenant(name).read_events, offsets) for name, offsets in by_tenant.items()}
+        got = self._storage_round("read_events", calls)
         out: dict[str, bytes] = {}
-        for tid, offsets in by_tenant.items():
-            try:
-                out.update(self.storage.tenant(tenants[tid].name).read_events(offsets))
-            except ServiceError as e:
-                log.warning("tenant %s: trainer events unreadable this cycle: %s", tenants[tid].name, e.message)
+        for events in got.values():
+            out.update(events)
         return out
 
     def _sweep_artifacts(self, s: Session) -> None:
         """Remove temp names of publications and uploads cut short by a crash (hidden ``.pub-*``
         dirs and ``.upload-*.tmp`` files older than any in flight; published dirs are never touched:
-        a DB restored from an older backup must not turn newer results into garbage)."""
-        for tenant in s.exec(select(Tenant)):
-            try:
-                if n := self.storage.tenant(tenant.name).sweep(SWEEP_MIN_AGE_S):
-                    log.warning("tenant %s: removed %d leftovers of interrupted publications/uploads",
-                                tenant.name, n)
-            except ServiceError as e:
-                log.warning("tenant %s: sweep failed: %s", tenant.name, e.message)
+        a DB restored from an older backup must not turn newer results into garbage). Per tenant side
+        by side, bounded like ``_read_events``; a tenant left out is swept next time."""
+        names = [t.name for t in s.exec(select(Tenant))]
+        swept = self._storage_round("sweep", {n: partial(self.storage.tenant(n).sweep, SWEEP_MIN_AGE_S) for n in names})
+        for name, n in swept.items():
+            if n:
+                log.warning("tenant %s: removed %d leftovers of interrupted publications/uploads", name, n)
+
+    @cached_property
+    def _tenant_calls(self) -> TenantCalls:
+        return TenantCalls()
+
+    def _storage_round(self, verb: str, calls: Mapping[str, Callable[[], Any]]) -> dict[str, Any]:
+        """Run one storage call per tenant (``TenantCalls``, bounded by ``broker_cycle_timeout_s``); log
+        (once per run of failures: repeats while pausing at debug level) and count the tenants that
+        failed, were late or were skipped; the answers by tenant."""
+        rnd: Round[Any] = self._tenant_calls.run(calls, self.settings.broker_cycle_timeout_s)
+        for name, e in rnd.failed.items():
+            level = logging.DEBUG if name in rnd.repeated else logging.WARNING
+            if isinstance(e, ServiceError):
+                log.log(level, "tenant %s: %s failed: %s (it pauses; the others go on)", name, verb, e.message)
+            else:      # a bug in one tenant's call must not fail every tenant's cycle
+                log.error("tenant %s: %s failed", name, verb, exc_info=e)
+        for name in rnd.late:
+            log.log(logging.DEBUG if name in rnd.repeated else logging.WARNING, "tenant %s: storage %s did not "
+                    "answer within %.1fs: left for a later cycle (the others go on)", name, verb,
+                    self.settings.broker_cycle_timeout_s)
+        for outcome, n in (("error", len(rnd.failed)), ("late", len(rnd.late)), ("skipped", len(rnd.skipped))):
+            if n:
+                self.stats.storage_missed[verb, outcome] = self.stats.storage_missed.get((verb, outcome), 0) + n
+        return rnd.results
 
     def _recover_submissions(self, s: Session) -> None:
         """Jobs recorded but never handed to Slurm (the gateway died between its commit and
@@ -242,9 +278,11 @@ class Reconciler:
             return
         if self.fence is not None:
             self.fence.check(s)    # sbatch follows: only the leader may submit again
-        found = self.client.find_by_name([j.id for j in lost])
-        self._drop_unnamed_tasks(sorted({j.sweep_id for j in lost if j.sweep_id}))
         tenants = {t.id: t for t in s.exec(select(Tenant))}
+        owners = {j.id: self.owner(tenants[j.tenant_id].name) for j in lost}
+        # only the tenant's own jobs under the job's name, submitted since the job was recorded
+        found = self.client.find_by_name(owners, since=min(j.created_at for j in lost))
+        self._drop_unnamed_tasks({j.sweep_id: owners[j.id] for j in lost if j.sweep_id})
         for job in lost:
             tenant = tenants[job.tenant_id]
             try:
@@ -252,7 +290,7 @@ class Reconciler:
                     apply_event(s, job, Event.SUBMITTED, message=f"Recovered: Slurm job {found[job.id]} "
                                 "was submitted before the gateway restarted", slurm_job_id=found[job.id])
                     if job.sweep_id:
-                        self._release_adopted(found[job.id])
+                        self._release_adopted(found[job.id], owners[job.id])
                 elif self.submitter is not None and (spec := resubmittable_spec(
                         session=s, settings=self.settings, storage=self.storage, job=job, tenant=tenant)) is not None:
                     add_event(s, job.id, "Submitting again: the gateway stopped before Slurm had the job")
@@ -291,29 +329,28 @@ class Reconciler:
                 except StaleJob:
                     s.rollback()
 
-    def _drop_unnamed_tasks(self, sweep_ids: list[str]) -> None:
+    def _drop_unnamed_tasks(self, sweeps: dict[str, Owner]) -> None:
         """Cancel the tasks of interrupted sweeps' arrays that were never named after their job (the
         gateway died between sbatch and naming them): held, they never ran, and their jobs are
         submitted again one by one. Tasks already named are adopted like any job."""
         from gateway.slurm.client import SlurmClient
 
         client = self.client
-        if not sweep_ids or not isinstance(client, SlurmClient):
+        if not sweeps or not isinstance(client, SlurmClient):
             return
-        for sweep_id, array_id in client.find_by_name(sweep_ids).items():
-            for task, q in client.array_tasks(array_id).items():
-                if q.name == sweep_id:
-                    log.warning("sweep %s: cancelling task %d of array %d (never named: its job is "
-                                "submitted again)", sweep_id, task, array_id)
-                    client.runner.run(["scancel", q.control_id], timeout=30)
+        for sweep_id, array_id in client.find_by_name(sweeps).items():
+            for task, q in client.array_tasks(array_id, owner=sweeps[sweep_id], name=sweep_id).items():
+                log.warning("sweep %s: cancelling task %d of array %d (never named: its job is "
+                            "submitted again)", sweep_id, task, array_id)
+                client.cancel_task(q, owner=sweeps[sweep_id])
 
-    def _release_adopted(self, slurm_id: int) -> None:
+    def _release_adopted(self, slurm_id: int, owner: Owner) -> None:
         """Release an adopted sweep task: the gateway may have died before it released the hold."""
         from gateway.slurm.client import SlurmClient
 
         if isinstance(self.client, SlurmClient):
             try:
-                self.client.release(slurm_id)
+                self.client.release(slurm_id, owner=owner)
             except SlurmError as e:       # not held (already released, or running)
                 log.info("Slurm job %d: nothing to release (%s)", slurm_id, e)
 
@@ -321,6 +358,9 @@ class Reconciler:
     def _one(self, s: Session, job: FineTuningJob, tenant: Tenant, st: JobStatus, events: bytes) -> bool:
         before = job.status
         ingest_events(session=s, job=job, data=events)
+        if (problem := st.owner_problem(self.owner(tenant.name))) is not None:
+            self._alert(s, job, problem)     # nothing Slurm says of this id is acted on
+            return job.status != before
         node = (st.queue.nodes if st.queue else None) or (st.acct.nodes if st.acct else None)
         if node and (job.progress or {}).get("node") != node:
             update_fields(s, job, progress={**(job.progress or {}), "node": node}, slurm_state=st.state)
@@ -331,9 +371,9 @@ class Reconciler:
         view = from_slurm(st.state, exit_code, was_running=state is JobState.RUNNING)
         d = decide(state, view, gone=not st.active, trainer_failure=trainer_failure(job))
         if d.action is Action.CANCEL:
-            self.start_cancel(job.slurm_job_id)
+            self.start_cancel(job.slurm_job_id, tenant.name)
         elif d.action is Action.PAUSE:
-            self.start_pause(job.slurm_job_id)
+            self.start_pause(job.slurm_job_id, tenant.name)
         elif d.action is Action.CANCELLED:
             apply_event(s, job, Event.STOPPED, message="Job cancelled: Slurm confirms no process is left",
                         stop_confirmed_at=utcnow(), finished_at=utcnow(), cleanup=Cleanup.PENDING)
@@ -355,10 +395,23 @@ class Reconciler:
                                "reason": d.reason.value},
                         finished_at=utcnow(), stop_confirmed_at=utcnow(), cleanup=Cleanup.PENDING)
         elif d.action is Action.NOTHING and state is JobState.RUNNING and st.state == SlurmState.RUNNING:
-            self._detect(s, job, st)
+            self._detect(s, job, tenant, st)
         return job.status != before
 
-    def _detect(self, s: Session, job: FineTuningJob, st: JobStatus) -> None:
+    def _alert(self, s: Session, job: FineTuningJob, problem: str) -> None:
+        """A job whose Slurm id has a record that is not its tenant's (another user's or account's) or
+        that cannot be trusted: an alert for the administrators (log, /metrics) and once a warning
+        event for the tenant, never an action. A record that reads right again ends it."""
+        self.alerts += 1
+        key = (job.id, job.slurm_job_id, problem)
+        if key in self._alerted:
+            return
+        self._alerted.add(key)
+        log.error("ALERT job %s: Slurm job %s is not acted on: %s", job.id, job.slurm_job_id, problem)
+        add_event(s, job.id, f"Slurm job {job.slurm_job_id}: the gateway does not act on its records ({problem}); "
+                  "the administrators are alerted", level="warn", data={"alert": "slurm_record"})
+
+    def _detect(self, s: Session, job: FineTuningJob, tenant: Tenant, st: JobStatus) -> None:
         """Run the detectors on a running job: each new finding once per attempt as a warning event
         (and a count for /metrics); a stall past its grace requeues the job in Slurm."""
         progress = dict(job.progress or {})
@@ -381,7 +434,7 @@ class Reconciler:
         update_fields(s, job, progress={**progress, "fired": fired})
         if any(f.requeue for f in new) and job.slurm_job_id is not None:
             try:
-                self.client.requeue(job.slurm_job_id)
+                self.client.requeue(job.slurm_job_id, owner=self.owner(tenant.name))
             except SlurmError as e:
                 log.warning("job %s: requeue after a stall failed: %s", job.id, e)
 
@@ -391,8 +444,13 @@ class Reconciler:
             self.fence.check(s)    # the broker publishes next: only the leader may
         publish_attempt(session=s, settings=self.settings, storage=self.storage, job=job, tenant_name=tenant.name)
 
-    def start_cancel(self, slurm_id: int | None) -> None:
-        """Run ``SlurmClient.cancel`` in a thread, once per Slurm job at a time."""
+    def owner(self, tenant: str) -> Owner:
+        """Whose Slurm jobs ``tenant``'s are: its unix user and account (local mode: every job is this
+        user's, so only the account is known)."""
+        return Owner(None if self.settings.local else unix_user_for(tenant), tenant)
+
+    def start_cancel(self, slurm_id: int | None, tenant: str) -> None:
+        """Run ``SlurmClient.cancel`` in a thread, once per Slurm job at a time, for ``tenant``'s job only."""
         if slurm_id is None:
             return
         with self._lock:
@@ -402,7 +460,7 @@ class Reconciler:
 
         def work() -> None:
             try:
-                res = self.client.cancel(slurm_id, deadline_s=self.settings.cancel_deadline_s)
+                res = self.client.cancel(slurm_id, owner=self.owner(tenant), deadline_s=self.settings.cancel_deadline_s)
                 log.info("Slurm job %s stopped %.2fs after cancel (escalated=%s)", slurm_id, res.seconds,
                          res.escalated)
             except SlurmError as e:
@@ -413,7 +471,7 @@ class Reconciler:
 
         threading.Thread(target=work, name=f"cancel-{slurm_id}", daemon=True).start()
 
-    def start_pause(self, slurm_id: int | None) -> None:
+    def start_pause(self, slurm_id: int | None, tenant: str) -> None:
         """Hold the Slurm job and send it the checkpoint signal (``SlurmClient.pause``), once per
         job at a time, in a thread; the reconciler repeats it while Slurm still runs the job."""
         if slurm_id is None:
@@ -425,7 +483,8 @@ class Reconciler:
 
         def work() -> None:
             try:
-                log.info("Slurm job %s: pause (was %s)", slurm_id, self.client.pause(slurm_id))
+                was = self.client.pause(slurm_id, owner=self.owner(tenant))
+                log.info("Slurm job %s: pause (was %s)", slurm_id, was)
             except SlurmError as e:
                 log.warning("pause of Slurm job %s: %s", slurm_id, e)
             finally:
@@ -434,10 +493,11 @@ class Reconciler:
 
         threading.Thread(target=work, name=f"pause-{slurm_id}", daemon=True).start()
 
-    def release(self, slurm_id: int | None) -> None:
-        """Release the Slurm job's hold now (the resume); SlurmError when Slurm refuses."""
+    def release(self, slurm_id: int | None, tenant: str) -> None:
+        """Release ``tenant``'s Slurm job's hold now (the resume); SlurmError when Slurm refuses or the
+        job is not the tenant's."""
         if slurm_id is not None:
-            self.client.release(slurm_id)
+            self.client.release(slurm_id, owner=self.owner(tenant))
 
     # -------------------------------------------------------------- cleanup
     def _confirm_cleanups(self, s: Session) -> None:

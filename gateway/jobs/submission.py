@@ -14,6 +14,7 @@ from gateway.jobs.scheduler import Scheduler
 from gateway.models import FineTuningJob
 from gateway.services import jobs as job_service
 from gateway.slurm.admin import Admin, unix_user_for
+from gateway.slurm.records import Owner
 from gateway.slurm.render import JobScript
 from gateway.storage import TenantRunner, storage_for
 
@@ -84,7 +85,9 @@ class Submitter:
             return self.client.submit(script), qos
         if self.settings.ssh_host:   # off-cluster: the login node's root account submits with --uid
             return self.client.submit(script, user=unix_user_for(tenant)), qos
-        return self.client.submit(script, runner=TenantRunner(storage_for(self.settings).tenant(tenant))), qos
+        # sbatch runs as the tenant; the id it prints is checked against Slurm's own record of the job
+        return self.client.submit(script, user=unix_user_for(tenant),
+                                  runner=TenantRunner(storage_for(self.settings).tenant(tenant))), qos
 
     def _script(self, job: FineTuningJob, spec: dict[str, Any], tenant: str, qos: str,
                 write: bool = True) -> JobScript:
@@ -115,15 +118,13 @@ class Submitter:
             raise ServiceError("job arrays need Slurm: submit the jobs one by one", code="no_backend")
         qos = self.qos_for(tenant, max(j.time_limit_min or 60 for j in jobs), max(j.gpus for j in jobs))
         scripts = [self._script(job, spec, tenant, qos) for job, spec in zip(jobs, specs, strict=True)]
-        if self.settings.ssh_host:
-            array_id = client.submit_array(scripts, name=name, user=unix_user_for(tenant))
-        else:
-            array_id = client.submit_array(scripts, name=name,
-                                           runner=TenantRunner(storage_for(self.settings).tenant(tenant)))
+        runner = None if self.settings.ssh_host else TenantRunner(storage_for(self.settings).tenant(tenant))
+        owner = Owner(unix_user_for(tenant), tenant)
+        array_id = client.submit_array(scripts, name=name, user=owner.user, runner=runner)   # confirmed ours
         try:
             for task, job in enumerate(jobs):
                 client.name_task(array_id, task, job.id)
-            tasks = client.array_tasks(array_id)
+            tasks = client.array_tasks(array_id, owner=owner)
             if sorted(tasks) != list(range(len(jobs))):
                 raise SlurmCommandError(["squeue", "--array", f"--jobs={array_id}"], 0,
                                         f"array {array_id} shows tasks {sorted(tasks)}, not 0-{len(jobs) - 1}")
@@ -131,7 +132,7 @@ class Submitter:
             for task in range(len(jobs)):
                 client.release_task(array_id, task)
         except BaseException:
-            client.runner.run(["scancel", str(array_id)], timeout=30)
+            client.cancel_array(array_id, owner=owner)
             raise
         return array_id, ids, qos
 

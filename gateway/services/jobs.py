@@ -25,7 +25,7 @@ from gateway.access.tokens import Principal
 from gateway.config import Settings
 from gateway.errors import Conflict, NotFound, ServiceError, TooManyJobs
 from gateway.jobs.state import ACTIVE, TERMINAL, Event, FailReason, JobState, transition
-from gateway.models import DataFile, FileStatus, FineTuningJob, JobCheckpoint, JobEvent, utcnow
+from gateway.models import DataFile, FileStatus, FineTuningJob, JobCheckpoint, JobEvent, Tenant, utcnow
 from gateway.services.files import get_file
 from gateway.storage import layout
 
@@ -719,11 +719,18 @@ def request_cancel(*, session: Session, principal: Principal, job_id: str) -> Fi
     return _retrying(session, principal, job_id, cancel)
 
 
+def _tenant_name(session: Session, job: FineTuningJob) -> str:
+    """The name of ``job``'s tenant (whose Slurm account and user its Slurm job must have)."""
+    tenant = session.get(Tenant, job.tenant_id)
+    assert tenant is not None
+    return tenant.name
+
+
 class CancelStarter(Protocol):
     """What tells Slurm to stop a job (the reconciler: ``scancel`` in its own thread)."""
 
-    def start_cancel(self, slurm_id: int | None) -> None:
-        """Tell Slurm to stop the job ``slurm_id`` without waiting (nothing when it is None)."""
+    def start_cancel(self, slurm_id: int | None, tenant: str) -> None:
+        """Tell Slurm to stop ``tenant``'s job ``slurm_id`` without waiting (nothing when it is None)."""
         ...
 
 
@@ -734,19 +741,19 @@ def cancel_job(*, session: Session, principal: Principal, job_id: str,
     ``request_cancel`` does (NotFound, Conflict)."""
     job = request_cancel(session=session, principal=principal, job_id=job_id)
     if reconciler is not None and job.status == JobState.CANCELLING.value:
-        reconciler.start_cancel(job.slurm_job_id)
+        reconciler.start_cancel(job.slurm_job_id, _tenant_name(session, job))
     return job
 
 
 class PauseControl(Protocol):
     """What holds and releases a job in Slurm (the reconciler: ``scontrol hold``/``release``)."""
 
-    def start_pause(self, slurm_id: int | None) -> None:
-        """Hold the job and make it checkpoint and leave its GPU, without waiting."""
+    def start_pause(self, slurm_id: int | None, tenant: str) -> None:
+        """Hold ``tenant``'s job and make it checkpoint and leave its GPU, without waiting."""
         ...
 
-    def release(self, slurm_id: int | None) -> None:
-        """Release the job's hold (SlurmError when Slurm refuses)."""
+    def release(self, slurm_id: int | None, tenant: str) -> None:
+        """Release ``tenant``'s job's hold (SlurmError when Slurm refuses or it is not the tenant's)."""
         ...
 
 
@@ -775,7 +782,7 @@ def pause_job(*, session: Session, settings: Settings, principal: Principal, job
         raise Conflict("pausing needs Slurm: this gateway runs jobs in local mode", code="not_supported")
     job = _change(session, principal, job_id, Event.PAUSE, {JobState.QUEUED, JobState.RUNNING, JobState.PAUSED},
                   "Pause requested: the job checkpoints and leaves its GPU; resume continues from there")
-    control.start_pause(job.slurm_job_id)
+    control.start_pause(job.slurm_job_id, _tenant_name(session, job))
     return job
 
 
@@ -793,7 +800,7 @@ def resume_job(*, session: Session, settings: Settings, principal: Principal, jo
     # Slurm first: if the release fails the job stays paused (and held); if the state change
     # then loses a race, the reconciler holds it again when it starts (a paused job never runs)
     try:
-        control.release(job.slurm_job_id)
+        control.release(job.slurm_job_id, _tenant_name(session, job))
     except SlurmError as e:
         raise Conflict(f"Slurm did not release job {job_id} ({e}); it stays paused: try again",
                        code="busy") from None

@@ -80,6 +80,15 @@ class DevClusterConfig:
         return self.runtime_prefix / "libexec"
 
 
+def _proc_mount_options() -> str:
+    """The mount options of /proc ("" when /proc/mounts does not say)."""
+    for line in Path("/proc/mounts").read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 4 and parts[1] == "/proc":
+            return parts[3]
+    return ""
+
+
 def short_hostname() -> str:
     """This host's name up to the first dot."""
     return socket.gethostname().split(".")[0]
@@ -207,6 +216,8 @@ class DevCluster:
             raise DevClusterError("dev-cluster needs root (it starts daemons and adds users)")
         t0 = time.monotonic()
         self.ensure_packages()
+        for line in self.harden_host():
+            self.echo(line)
         for d in (self.cfg.state_dir / "slurmctld", self.cfg.state_dir / "slurmd", self.cfg.log_dir, self.cfg.run_dir,
                   self.cfg.libexec, self.cfg.scratch_root):
             d.mkdir(parents=True, exist_ok=True)
@@ -233,6 +244,25 @@ class DevCluster:
         if admin.ensure_operator(self.cfg.service_user):
             self.echo(f"{self.cfg.service_user} is now a Slurm Operator (sees and manages every tenant's jobs)")
         return time.monotonic() - t0
+
+    def harden_host(self) -> list[str]:
+        """What SECURITY.md asks of gateway, login and compute hosts, applied to this one (it is all of
+        them): ``kernel.yama.ptrace_scope`` >= 1 (a tenant may not ptrace even its own sbatch, which the
+        broker runs as it) and ``/proc`` with ``hidepid=invisible`` (no tenant sees another's processes
+        or their command lines). Returns one line per measure: applied, already so, or why not."""
+        out = []
+        scope = Path("/proc/sys/kernel/yama/ptrace_scope")
+        if not scope.exists():
+            out.append("host hardening: this kernel has no Yama LSM, so ptrace of one's own processes stays "
+                       "allowed (the gateway confirms every id sbatch prints; see SECURITY.md)")
+        elif int(scope.read_text().strip() or 0) < 1:
+            scope.write_text("1\n")
+            out.append("host hardening: kernel.yama.ptrace_scope=1")
+        if "hidepid=" not in _proc_mount_options():
+            res = self.runner.run(["mount", "-o", "remount,hidepid=invisible", "/proc"], timeout=30)
+            out.append("host hardening: /proc remounted hidepid=invisible" if res.returncode == 0 else
+                       f"host hardening: could not remount /proc with hidepid ({res.stderr.strip()[:200]})")
+        return out
 
     def ensure_packages(self) -> None:
         """apt-get install the Slurm, munge and MariaDB packages when one of NEEDED_BINARIES is missing."""

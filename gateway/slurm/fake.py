@@ -10,7 +10,7 @@ need SIGKILL. The slurm test tier runs the same client against the real cluster.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -50,6 +50,8 @@ class FakeSlurm:
         self.accounts = set(accounts)
         self.next_id = 1000
         self.fail_next: dict[str, tuple[int, str]] = {}  # command → (rc, stderr) once
+        self.sbatch_prints: int | None = None   # a tampered sbatch: prints this id instead of its job's
+        self.on_sbatch: Callable[[FakeJob], None] | None = None   # the tenant acts right after sbatch
 
     # -- test controls
     def start(self, job_id: int) -> None:
@@ -108,7 +110,9 @@ class FakeSlurm:
             jid, directives.get("job-name", "sbatch"), self._opt(args, "--uid") or "root",
             account, directives.get("qos", "normal"), int(gres.rsplit(":", 1)[-1]),
             script=script)
-        return 0, f"{jid}\n", ""
+        if self.on_sbatch is not None:
+            self.on_sbatch(self.jobs[jid])
+        return 0, f"{self.sbatch_prints if self.sbatch_prints is not None else jid}\n", ""
 
     def _ids(self, args: list[str]) -> list[int] | None:
         v = self._opt(args, "--jobs")
@@ -119,7 +123,7 @@ class FakeSlurm:
         ids = self._ids(args)
         names = self._opt(args, "--name")
         jobs = [j for j in self.jobs.values() if j.in_queue and (ids is None or j.job_id in ids)
-                and (names is None or j.name in names.split(","))]
+                and (names is None or j.name in names.split(",")) and self._owned(j, args, "--account")]
         if ids is not None and len(ids) == 1 and not jobs:
             return 1, "", "slurm_load_jobs error: Invalid job id specified\n"
         codes = {
@@ -139,7 +143,7 @@ class FakeSlurm:
         ids = self._ids(args)
         names = self._opt(args, "--name")
         jobs = [j for j in self.jobs.values() if (ids is None or j.job_id in ids)
-                and (names is None or j.name in names.split(","))]
+                and (names is None or j.name in names.split(",")) and self._owned(j, args, "--accounts")]
         values = {
             "JobID": lambda j: str(j.job_id), "JobIDRaw": lambda j: str(j.job_id),
             "JobName": lambda j: j.name, "User": lambda j: j.user, "Account": lambda j: j.account,
@@ -157,9 +161,16 @@ class FakeSlurm:
         lines = [delim.join(values[f](j) for f in fields) for j in jobs]
         return 0, "".join(line + "\n" for line in lines), ""
 
+    def _owned(self, j: FakeJob, args: list[str], account_option: str) -> bool:
+        """Slurm's ``--user`` / ``--account`` filters."""
+        user, account = self._opt(args, "--user"), self._opt(args, account_option)
+        return (user is None or j.user == user) and (account is None or j.account in account.split(","))
+
     def _scancel(self, args: list[str], _: str) -> tuple[int, str, str]:
-        jid = int(args[-1])
+        jid = int(args[-1].split("_")[0])
         j = self.jobs.get(jid)
+        if j is not None and not self._owned(j, args, "--account"):
+            return 0, "", ""        # scancel's filters leave another owner's job alone, silently
         if j is None or j.state not in ("PENDING", "RUNNING"):
             return 1, "", f"scancel: error: Kill job error on job id {jid}: Invalid job id specified\n"
         signal = self._opt(args, "--signal")

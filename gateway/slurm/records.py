@@ -10,13 +10,14 @@ Step rows (``123.batch``, ``123.extern``, ``123.0``) are dropped from sacct.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from gateway.errors import SlurmError
 from gateway.jobs.state import SlurmState
+from gateway.slurm.validate import validate_unix_name
 
 # ASCII unit separator: cannot occur in account, user, QOS or job names.
 DELIM = "\x1f"
@@ -153,35 +154,66 @@ def _split_top(text: str) -> list[str]:
     return [p for p in parts if p] if text else []
 
 
-def parse_rows(
-    text: str, fields: tuple[Field, ...], make: Callable[..., R], delim: str = DELIM,
-    free: str | None = None,
-) -> Iterator[R]:
-    """Yield one record per non-empty line; raise SlurmParseError on a bad line.
+@dataclass(frozen=True)
+class Skipped:
+    """One line of Slurm's output that did not parse into a record: where, which job it names
+    (when its first field is a job id) and why. It fails that one record, never the call."""
 
-    ``free`` names the one field whose text a user controls (a job name): when a line
-    has too many fields, the surplus is taken to be delimiters inside that field and
-    joined back, since every other field is machine-made.
-    """
-    free_at = next((i for i, f in enumerate(fields) if f[1] == free), None)
+    lineno: int
+    job_id: int | None
+    message: str
+
+    def __str__(self) -> str:
+        return f"line {self.lineno}" + (f" (job {self.job_id})" if self.job_id is not None else "") \
+            + f": {self.message}"
+
+
+class Rows(list[R]):
+    """Parsed records (a list), with ``skipped``: the lines that did not parse, each a ``Skipped``."""
+
+    skipped: list[Skipped]
+
+    def __init__(self, records: Iterable[R] = (), skipped: Iterable[Skipped] = ()):
+        super().__init__(records)
+        self.skipped = list(skipped)
+
+
+def _leading_id(line: str, delim: str) -> int | None:
+    head = line.split(delim, 1)[0].split(".")[0].split("_")[0].split("+")[0].strip()
+    return int(head) if head.isdigit() and len(head) < 19 else None
+
+
+def parse_rows(text: str, fields: tuple[Field, ...], make: Callable[..., R], delim: str = DELIM,
+               rest_last: bool = False) -> Rows[R]:
+    """One record per non-empty line; a line with the wrong field count or a field that does not
+    parse is skipped and reported in ``Rows.skipped`` (with the job id it starts with, if any), so
+    one bad record fails that record only.
+
+    The formats we ask for hold no free-text field (job names, comments: a tenant writes those,
+    and a name may hold the delimiter and a line break), so a well-formed line is machine-made.
+    ``rest_last``: the last field keeps any delimiter it holds (an administrator's text)."""
+    records: list[R] = []
+    skipped: list[Skipped] = []
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        values = line.split(delim)
-        extra = len(values) - len(fields)
-        if extra > 0 and free_at is not None:
-            values[free_at:free_at + extra + 1] = [delim.join(values[free_at:free_at + extra + 1])]
+        values = line.split(delim, len(fields) - 1) if rest_last else line.split(delim)
         if len(values) != len(fields):
-            raise SlurmParseError(
-                f"line {lineno}: expected {len(fields)} fields, got {len(values)}: {line[:200]!r}"
-            )
+            skipped.append(Skipped(lineno, _leading_id(line, delim),
+                                   f"expected {len(fields)} fields, got {len(values)}"))
+            continue
         kwargs = {}
-        for (slurm_name, attr, parse), raw in zip(fields, values, strict=True):
-            try:
-                kwargs[attr] = parse(raw)
-            except (SlurmParseError, ValueError) as e:
-                raise SlurmParseError(f"line {lineno}, field {slurm_name}: {e}") from e
-        yield make(**kwargs)
+        try:
+            for (slurm_name, attr, parse), raw in zip(fields, values, strict=True):
+                try:
+                    kwargs[attr] = parse(raw)
+                except (SlurmParseError, ValueError) as e:
+                    raise SlurmParseError(f"field {slurm_name}: {e}") from e
+        except SlurmParseError as e:
+            skipped.append(Skipped(lineno, _leading_id(line, delim), str(e)))
+            continue
+        records.append(make(**kwargs))
+    return Rows(records, skipped)
 
 
 def format_string(fields: tuple[Field, ...], delim: str = DELIM) -> str:
@@ -201,6 +233,38 @@ def array_index(v: str) -> int | None:
     return int(v) if v.isdigit() else None
 
 
+# ---------------------------------------------------------------------- owner
+@dataclass(frozen=True)
+class Owner:
+    """Whose a Slurm job must be for the gateway to act on it: the tenant's unix user (None: any, for
+    a submission by the gateway's own identity) and its Slurm account. A job's user never changes and
+    its account only among the user's own accounts, so a record that matches stays the tenant's."""
+
+    user: str | None
+    account: str
+
+    def __post_init__(self) -> None:
+        validate_unix_name(self.account)
+        if self.user is not None:
+            validate_unix_name(self.user)
+
+    def problem(self, user: str | None, account: str | None) -> str | None:
+        """Why a record of ``user`` / ``account`` is not this owner's job, or None."""
+        if account != self.account:
+            return f"its account is not {self.account}"
+        if self.user is not None and user != self.user:
+            return f"its user is not {self.user}"
+        return None
+
+    def squeue_filters(self) -> list[str]:
+        """squeue/scancel options that keep only this owner's jobs (Slurm applies them itself)."""
+        return ([f"--user={self.user}"] if self.user else []) + [f"--account={self.account}"]
+
+    def sacct_filters(self) -> list[str]:
+        """The same filters in sacct's spelling."""
+        return ([f"--user={self.user}"] if self.user else []) + [f"--accounts={self.account}"]
+
+
 # --------------------------------------------------------------------- squeue
 @dataclass(frozen=True)
 class QueueRecord:
@@ -213,7 +277,6 @@ class QueueRecord:
     submit: datetime | None
     start: datetime | None
     nodes: str | None
-    name: str
     gpus: int
     array_job_id: int | None = None    # a job array's task: the array's id and the task's index
     array_task: int | None = None
@@ -242,16 +305,15 @@ SQUEUE_FIELDS: tuple[Field, ...] = (
     ("%V", "submit", opt_time),
     ("%S", "start", opt_time),
     ("%N", "nodes", opt_str),
-    ("%j", "name", str),
     ("%b", "gpus", gres_gpu_count),
     ("%F", "array_job_id", opt_int),
     ("%K", "array_task", array_index),
 )
 
 
-def parse_squeue(text: str) -> list[QueueRecord]:
-    """Records from squeue output in SQUEUE_FIELDS' format; a job name holding the delimiter is rejoined."""
-    return list(parse_rows(text, SQUEUE_FIELDS, QueueRecord, free="name"))
+def parse_squeue(text: str) -> Rows[QueueRecord]:
+    """Records from squeue output in SQUEUE_FIELDS' format (no job name: see ``parse_rows``)."""
+    return parse_rows(text, SQUEUE_FIELDS, QueueRecord)
 
 
 # ---------------------------------------------------------------------- sacct
@@ -259,7 +321,6 @@ def parse_squeue(text: str) -> list[QueueRecord]:
 class AcctRecord:
     job_id: str          # as printed: "123", "123_4" (array task), "123+0" (het)
     job_id_raw: int
-    name: str
     user: str | None
     account: str | None
     qos: str | None
@@ -298,7 +359,6 @@ class AcctRecord:
 SACCT_FIELDS: tuple[Field, ...] = (
     ("JobID", "job_id", str),
     ("JobIDRaw", "job_id_raw", lambda v: int(v.split(".")[0].split("+")[0])),
-    ("JobName", "name", str),
     ("User", "user", opt_str),
     ("Account", "account", opt_str),
     ("QOS", "qos", opt_str),
@@ -319,8 +379,8 @@ SACCT_FIELDS: tuple[Field, ...] = (
 _STEP_RE = re.compile(r"\.(batch|extern|interactive|\d+)$")
 
 
-def parse_sacct(text: str) -> list[AcctRecord]:
-    """Job (allocation) rows only; step rows are dropped before parsing."""
+def parse_sacct(text: str) -> Rows[AcctRecord]:
+    """Job (allocation) rows only (step rows are dropped before parsing); no job name."""
     keep = []
     for line in text.splitlines():
         if not line.strip():
@@ -329,7 +389,7 @@ def parse_sacct(text: str) -> list[AcctRecord]:
         if _STEP_RE.search(job_id):
             continue
         keep.append(line)
-    return list(parse_rows("\n".join(keep), SACCT_FIELDS, AcctRecord, free="name"))
+    return parse_rows("\n".join(keep), SACCT_FIELDS, AcctRecord)
 
 
 # --------------------------------------------------------------------- sshare
@@ -362,9 +422,9 @@ SSHARE_FIELDS: tuple[Field, ...] = (
 )
 
 
-def parse_sshare(text: str) -> list[ShareRecord]:
-    """``sshare -a -n -P`` output (``|``-delimited; names cannot hold ``|``)."""
-    return list(parse_rows(text, SSHARE_FIELDS, ShareRecord, delim="|"))
+def parse_sshare(text: str) -> Rows[ShareRecord]:
+    """``sshare -a -n -P`` output (``|``-delimited; account and user names cannot hold ``|``)."""
+    return parse_rows(text, SSHARE_FIELDS, ShareRecord, delim="|")
 
 
 # ---------------------------------------------------------------------- sinfo
@@ -386,6 +446,7 @@ SINFO_R_FIELDS: tuple[Field, ...] = (
 )
 
 
-def parse_sinfo_r(text: str) -> list[DrainedNode]:
-    """Records from ``sinfo --list-reasons`` output in SINFO_R_FIELDS' format; the reason may hold the delimiter."""
-    return list(parse_rows(text, SINFO_R_FIELDS, DrainedNode, free="reason"))
+def parse_sinfo_r(text: str) -> Rows[DrainedNode]:
+    """Records from ``sinfo --list-reasons`` output in SINFO_R_FIELDS' format. The reason is free text,
+    but only administrators (and our own epilog) set it: it goes last and keeps any delimiter it holds."""
+    return parse_rows(text, SINFO_R_FIELDS, DrainedNode, rest_last=True)

@@ -59,6 +59,15 @@ def _error(code: str, message: str) -> ServiceError:
     return StorageFailed(f"storage operation failed: {message}", code=code)
 
 
+# How long the gateway waits for a verb's reply; the broker kills the child once that has passed
+# (``broker.serve``), so a request the gateway gave up on never lives on as a tenant's process.
+TIMEOUT_S = 120.0
+VERB_TIMEOUT_S = {"read_events": 30.0, "read_spec": 30.0, "open_file": 30.0, "upload_begin": 30.0,
+                  "upload_abort": 30.0, "publish_commit": 60.0, "sweep": 120.0, "remove": 300.0,
+                  "publish_build": 900.0}      # adapter and checkpoint tars are copied and hashed
+SUBMIT_MARGIN_S = 30.0      # ``submit``: sbatch's own timeout plus this
+
+
 @dataclass
 class Upload:
     """A temp file in the tenant's datasets/ that the gateway streams into."""
@@ -108,9 +117,11 @@ class Storage:
             raise StorageUnavailable(str(e)) from None
 
     def call(self, tenant: str, verb: str, args: dict[str, Any] | None = None,
-             fds: list[int] | None = None) -> Reply:
-        """Run ``verb`` for ``tenant``: in-process when direct or it has no unix user, else through the broker.
-        A refusal or failure raises the ServiceError its code maps to (NotFound, StorageFull, Conflict, ...)."""
+             fds: list[int] | None = None, timeout: float | None = None) -> Reply:
+        """Run ``verb`` for ``tenant``: in-process when direct or it has no unix user, else through the broker,
+        waiting at most ``timeout`` seconds (default: the verb's ``VERB_TIMEOUT_S``) for the reply, after
+        which the broker kills the request's child. A refusal or failure raises the ServiceError its code maps
+        to (NotFound, StorageFull, Conflict, ...); no reply in time raises StorageFailed."""
         args, fds = args or {}, fds or []
         if self.direct or not self.has_unix_user(tenant):
             try:
@@ -118,7 +129,8 @@ class Storage:
             except Exception as e:   # noqa: BLE001 - mapped exactly as the broker maps them
                 err = reply_error(e)
                 raise _error(err["code"], err["message"]) from None
-        return self._via_broker(tenant, verb, args, fds)
+        return self._via_broker(tenant, verb, args, fds, VERB_TIMEOUT_S.get(verb, TIMEOUT_S) if timeout is None
+                                else timeout)
 
     def _connect(self) -> socket.socket:
         for attempt in (0, 1):
@@ -136,12 +148,15 @@ class Storage:
                     "(finetune broker), or start finetune serve as root") from None
         raise AssertionError("unreachable")
 
-    def _via_broker(self, tenant: str, verb: str, args: dict[str, Any], fds: list[int]) -> Reply:
+    def _via_broker(self, tenant: str, verb: str, args: dict[str, Any], fds: list[int], timeout: float) -> Reply:
         s = self._connect()
         try:
-            s.settimeout(300)
-            send_msg(s, {"tenant": tenant, "storage_root": str(self.root), "verb": verb, "args": args}, fds)
+            s.settimeout(timeout)
+            send_msg(s, {"tenant": tenant, "storage_root": str(self.root), "verb": verb, "args": args,
+                         "deadline_s": timeout}, fds)
             header, rfds, blobs = recv_msg(s)
+        except TimeoutError:
+            raise StorageFailed(f"storage broker: no answer to {verb} within {timeout:.0f}s") from None
         except (OSError, BrokerError, ValueError) as e:
             raise StorageFailed(f"storage broker: {e}") from None
         finally:
@@ -183,8 +198,9 @@ class TenantStorage:
     def __init__(self, storage: Storage, tenant: str):
         self.storage, self.tenant = storage, tenant
 
-    def _call(self, verb: str, args: dict[str, Any] | None = None, fds: list[int] | None = None) -> Reply:
-        return self.storage.call(self.tenant, verb, args, fds)
+    def _call(self, verb: str, args: dict[str, Any] | None = None, fds: list[int] | None = None,
+              timeout: float | None = None) -> Reply:
+        return self.storage.call(self.tenant, verb, args, fds, timeout)
 
     def absolute(self, parts: layout.Parts) -> str:
         """The absolute path of ``parts`` under this tenant's root (for the trainer, which runs as the tenant)."""
@@ -224,11 +240,11 @@ class TenantStorage:
 
         return chunks()
 
-    def read_events(self, offsets: dict[str, int]) -> dict[str, bytes]:
+    def read_events(self, offsets: dict[str, int], timeout: float | None = None) -> dict[str, bytes]:
         """New bytes of each job's events.jsonl from its offset (job id → at most 4 MiB); a missing file gives b""."""
         if not offsets:
             return {}
-        r = self._call("read_events", {"offsets": offsets})
+        r = self._call("read_events", {"offsets": offsets}, timeout=timeout)
         return dict(zip(r.result.get("order") or [], r.blobs, strict=False))
 
     def read_spec(self, job_id: str) -> bytes | None:
@@ -265,7 +281,7 @@ class TenantStorage:
 
     def submit(self, script: str, timeout: float = 60.0) -> tuple[int, str, str]:
         """sbatch as the tenant (``--export=NONE``): (returncode, stdout, stderr)."""
-        r = self._call("submit", {"script": script, "timeout": timeout}).result
+        r = self._call("submit", {"script": script, "timeout": timeout}, timeout=timeout + SUBMIT_MARGIN_S).result
         return int(r["returncode"]), str(r["stdout"]), str(r["stderr"])
 
 

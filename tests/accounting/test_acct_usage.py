@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 
 import pytest
 
 from accounting.gateway_facts import Cancellation, GatewayFacts, ScrubFailure
+from accounting.render import usage_text
 from accounting.usage import charged_pieces, final_runs, percentile, tres_count, usage_report
 from accounting.window import AccountingError, Window
 from gateway.slurm import records as rec
@@ -100,13 +102,24 @@ def test_group_by_user_and_qos_keep_names_with_the_pipe() -> None:
     assert by_qos["ft-small"].gpu_seconds == 1 + 20 + 20  # 89 ("we|ird name,x"), 94, 95
     by_user = _rows(usage_report(sacct("sacct_final.txt"), HOUR, by="user", now=RECORDED_AT))
     assert set(by_user) == {"sft-t-acct-a", "sft-t-acct-b"}
-    assert [r.name for r in sacct("sacct_final.txt") if r.job_id == "89"] == ["we|ird name,x"]
+    assert [r.account for r in sacct("sacct_final.txt") if r.job_id == "89"] == ["t-acct-b"]
 
 
 def test_job_name_with_the_sacct_delimiter() -> None:
-    # recorded from a real `sbatch -J $'unit\x1fsep'`: the surplus fields are joined back
+    # recorded from a real `sbatch -J $'unit\x1fsep'`, re-cut to today's format, which asks for no name
     rows = rec.parse_sacct((ACCT_DATA / "sacct_unitsep_name.txt").read_text())
-    assert rows[0].name == "unit\x1fsep" and rows[0].account == "t-acct-b"
+    assert rows[0].account == "t-acct-b" and not rows.skipped
+
+
+def test_a_record_that_does_not_parse_is_flagged_and_the_rest_reported() -> None:
+    text = (ACCT_DATA / "sacct_final.txt").read_text()
+    broken = "4242\x1f4242\x1fsft-t-acct-a\x1fonly-four-fields\n"
+    rows = rec.parse_sacct(broken + text)
+    report = usage_report(rows, HOUR, now=RECORDED_AT)
+    assert _rows(report) == _rows(usage_report(sacct("sacct_final.txt"), HOUR, now=RECORDED_AT))
+    assert report.skipped == ("line 1 (job 4242): expected 17 fields, got 4",)
+    assert "flagged: a sacct record skipped, not counted: line 1 (job 4242)" in usage_text(report, "table")
+    assert json.loads(usage_text(report, "json"))["skipped_records"] == list(report.skipped)
 
 
 def test_old_recording_with_step_rows() -> None:

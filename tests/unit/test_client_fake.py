@@ -5,8 +5,12 @@ from __future__ import annotations
 import pytest
 
 from gateway.slurm import JobScript, SlurmClient, SlurmCommandError
+from gateway.slurm.client import NotOurs
 from gateway.slurm.fake import FakeSlurm
+from gateway.slurm.records import Owner
 from gateway.slurm.validate import InvalidNameError
+
+ACME, BETA = Owner("sft-acme", "acme"), Owner("sft-beta", "beta")
 
 
 def script(account: str = "acme") -> JobScript:
@@ -63,7 +67,8 @@ def test_unknown_job_is_missing_not_failed(fake: FakeSlurm) -> None:
 
 def test_submit_passes_uid_and_script(fake: FakeSlurm) -> None:
     jid = SlurmClient(fake).submit(script(), user="sft-acme")
-    assert fake.calls[-1][:7] == ("sbatch", "--parsable", "--export=NONE", "--uid", "sft-acme", "--gid", "sft-acme")
+    sbatch = next(c for c in fake.calls if c[0] == "sbatch")
+    assert sbatch[:7] == ("sbatch", "--parsable", "--export=NONE", "--uid", "sft-acme", "--gid", "sft-acme")
     assert "#SBATCH --account=acme" in fake.jobs[jid].script
 
 
@@ -90,29 +95,29 @@ def test_failed_query_raises_and_changes_nothing(fake: FakeSlurm) -> None:
 
 def test_cancel_polite_job_needs_no_kill(fake: FakeSlurm) -> None:
     client = SlurmClient(fake)
-    jid = client.submit(script())
+    jid = client.submit(script(), user="sft-acme")
     fake.start(jid)
-    res = client.cancel(jid, deadline_s=5, poll_s=0.01)
+    res = client.cancel(jid, owner=ACME, deadline_s=5, poll_s=0.01)
     assert not res.escalated and res.final_state == "CANCELLED"
-    assert ("scancel", "--signal=USR2", "--batch", str(jid)) in fake.calls
+    assert ("scancel", "--signal=USR2", "--batch", "--user=sft-acme", "--account=acme", str(jid)) in fake.calls
 
 
 def test_cancel_escalates_to_kill_after_deadline(fake: FakeSlurm) -> None:
     client = SlurmClient(fake)
-    jid = client.submit(script())
+    jid = client.submit(script(), user="sft-acme")
     fake.start(jid)
     fake.jobs[jid].ignores_term = True
-    res = client.cancel(jid, deadline_s=0.05, poll_s=0.01)
+    res = client.cancel(jid, owner=ACME, deadline_s=0.05, poll_s=0.01)
     assert res.escalated and res.seconds >= 0.05
-    assert ("scancel", "--signal=KILL", "--batch", str(jid)) in fake.calls
+    assert ("scancel", "--signal=KILL", "--batch", "--user=sft-acme", "--account=acme", str(jid)) in fake.calls
 
 
 def test_cancel_pending_job(fake: FakeSlurm) -> None:
     client = SlurmClient(fake)
-    jid = client.submit(script())
-    res = client.cancel(jid, deadline_s=5, poll_s=0.01)
+    jid = client.submit(script(), user="sft-acme")
+    res = client.cancel(jid, owner=ACME, deadline_s=5, poll_s=0.01)
     assert res.final_state == "CANCELLED" and not res.escalated
-    assert ("scancel", str(jid)) in fake.calls
+    assert ("scancel", "--user=sft-acme", "--account=acme", str(jid)) in fake.calls
 
 
 def test_sshare_records(fake: FakeSlurm) -> None:
@@ -137,3 +142,90 @@ def test_known_slurm_errors_get_a_hint() -> None:
                             "sbatch: error: Batch job submission failed: Job violates "
                             "accounting/QOS policy")
     assert "MaxWall" in err.hint and "MaxWall" in str(err)
+
+
+# ---------------------------------------------------------------- ids are claims, records are checked
+def test_an_id_printed_by_a_tampered_sbatch_is_not_recorded(fake: FakeSlurm) -> None:
+    """sbatch runs as the tenant, who may rewrite what it prints (ptrace): here it prints the id of
+    another tenant's running job. The client records the job Slurm has under its name and owner."""
+    client = SlurmClient(fake)
+    victim = client.submit(script("beta"), user="sft-beta")
+    fake.start(victim)
+    fake.sbatch_prints = victim
+    jid = client.submit(script(), user="sft-acme")
+    assert jid != victim and fake.jobs[jid].user == "sft-acme" and fake.jobs[jid].name == "job"
+
+
+def test_a_claim_that_matches_nothing_of_the_tenant_is_refused(fake: FakeSlurm) -> None:
+    client = SlurmClient(fake)
+    victim = client.submit(script("beta"), user="sft-beta")
+    fake.jobs[victim].name = "job"     # even a victim job of the very same name is not taken
+    fake.sbatch_prints = victim
+
+    def rename(j):  # type: ignore[no-untyped-def]
+        j.name = "renamed"             # the tenant renames its new job at once: nothing to confirm
+    fake.on_sbatch = rename
+    with pytest.raises(SlurmCommandError, match="Slurm shows 0 such jobs.*submission refused"):
+        client.submit(script(), user="sft-acme")
+
+    def twin(j):  # type: ignore[no-untyped-def]
+        fake.jobs[j.job_id + 100] = type(j)(j.job_id + 100, j.name, j.user, j.account, j.qos)
+    fake.on_sbatch = twin              # two new jobs of the tenant under the name: neither is trusted
+    with pytest.raises(SlurmCommandError, match="Slurm shows 2 such jobs"):
+        client.submit(script(), user="sft-acme")
+    mine = [j for j in fake.jobs.values() if j.user == "sft-acme" and j.name == "job"]
+    assert len(mine) == 2 and all(j.state == "CANCELLED" for j in mine)
+    assert fake.jobs[victim].state == "PENDING"
+    assert not any(c[0] == "scancel" and c[-1] == str(victim) for c in fake.calls)
+
+
+def test_an_old_job_of_the_tenant_under_the_name_is_not_taken_for_the_new_one(fake: FakeSlurm) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    client = SlurmClient(fake)
+    old = client.submit(script(), user="sft-acme")
+    fake.jobs[old].submit = datetime.now(UTC) - timedelta(hours=1)
+    fake.sbatch_prints = old
+    new = client.submit(script(), user="sft-acme")
+    assert new != old
+
+
+def test_cancel_pause_release_requeue_refuse_another_owners_job(fake: FakeSlurm) -> None:
+    client = SlurmClient(fake)
+    victim = client.submit(script("beta"), user="sft-beta")
+    fake.start(victim)
+    before = len(fake.calls)
+    for act in (lambda: client.cancel(victim, owner=ACME, deadline_s=1),
+                lambda: client.pause(victim, owner=ACME), lambda: client.release(victim, owner=ACME),
+                lambda: client.requeue(victim, owner=ACME)):
+        with pytest.raises(NotOurs, match="not acme's job"):
+            act()
+    assert {c[0] for c in fake.calls[before:]} == {"squeue"} and fake.jobs[victim].state == "RUNNING"
+
+
+def test_scancel_carries_the_owner_so_slurm_itself_leaves_another_job_alone(fake: FakeSlurm) -> None:
+    client = SlurmClient(fake)
+    victim = client.submit(script("beta"), user="sft-beta")
+    client.cancel_array(victim, owner=ACME)
+    assert fake.calls[-1] == ("scancel", "--user=sft-acme", "--account=acme", str(victim))
+    assert fake.jobs[victim].state == "PENDING"
+
+
+def test_a_duplicate_record_makes_that_job_invalid_and_no_other(fake: FakeSlurm) -> None:
+    """A forged line (as a job name with a line break once made) repeats another job's id: neither
+    record of that id is trusted, the other jobs read as usual, and nothing reads as ended."""
+    client = SlurmClient(fake)
+    a, b = (client.submit(script(), user="sft-acme") for _ in range(2))
+    fake.start(a)
+    real = fake.run
+    def doubled(argv, **kw):  # type: ignore[no-untyped-def]
+        res = real(argv, **kw)
+        if argv[0] == "squeue" and res.stdout:
+            line = next(x for x in res.stdout.splitlines() if x.startswith(f"{a}\x1f"))
+            return type(res)(res.argv, res.returncode, res.stdout + line.replace("RUNNING", "CANCELLED") + "\n",
+                             res.stderr, res.seconds)
+        return res
+    fake.run = doubled  # type: ignore[method-assign]
+    st = client.states([a, b])
+    assert st[a].source == "invalid" and st[a].active and st[a].owner_problem(ACME)
+    assert st[b].source == "squeue" and st[b].owner_problem(ACME) is None

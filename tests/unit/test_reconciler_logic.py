@@ -58,7 +58,7 @@ def test_one_batched_query_for_many_jobs(env: Any) -> None:
     engine, settings, fake, client = env
     ids = []
     for _ in range(30):
-        sid = client.submit(JobScript("x", "acme", "q", "/srv/x", ("true",)))
+        sid = client.submit(JobScript("x", "acme", "q", "/srv/x", ("true",)), user="sft-acme")
         fake.start(sid)
         ids.append(_job(engine, status="queued", slurm_job_id=sid))
     fake.calls.clear()
@@ -69,7 +69,7 @@ def test_one_batched_query_for_many_jobs(env: Any) -> None:
 
 def test_failed_slurm_query_changes_nothing(env: Any) -> None:
     engine, settings, fake, client = env
-    sid = client.submit(JobScript("x", "acme", "q", "/srv/x", ("true",)))
+    sid = client.submit(JobScript("x", "acme", "q", "/srv/x", ("true",)), user="sft-acme")
     jid = _job(engine, status="queued", slurm_job_id=sid)
     fake.start(sid)
     fake.fail_next["squeue"] = (1, "slurm_load_jobs error: Unable to contact slurm controller")
@@ -87,7 +87,7 @@ def test_job_missing_from_slurm_is_not_failed(env: Any) -> None:
 
 def test_failed_job_gets_a_clear_error(env: Any) -> None:
     engine, settings, fake, client = env
-    sid = client.submit(JobScript("x", "acme", "q", "/srv/x", ("true",)))
+    sid = client.submit(JobScript("x", "acme", "q", "/srv/x", ("true",)), user="sft-acme")
     jid = _job(engine, status="running", slurm_job_id=sid)
     fake.start(sid)
     fake.finish(sid, "OUT_OF_MEMORY", "0:9")
@@ -101,7 +101,7 @@ def test_failed_job_gets_a_clear_error(env: Any) -> None:
 def test_interrupted_submission_is_adopted_by_name(env: Any) -> None:
     engine, settings, fake, client = env
     jid = _job(engine)   # validating_files, no slurm id: sbatch ran, the gateway died before recording it
-    sid = client.submit(JobScript(jid, "acme", "q", "/srv/x", ("true",)))
+    sid = client.submit(JobScript(jid, "acme", "q", "/srv/x", ("true",)), user="sft-acme")
     Reconciler(engine, settings, client).cycle()
     job = _status(engine, jid)
     assert job.status == "queued" and job.slurm_job_id == sid
@@ -142,7 +142,7 @@ def test_interrupted_without_spec_fails_clearly(env: Any) -> None:
 
 
 def _running(engine: Any, client: SlurmClient, fake: FakeSlurm, **kw: Any) -> tuple[str, int]:
-    sid = client.submit(JobScript("x", "acme", "q", "/srv/x", ("true",)))
+    sid = client.submit(JobScript("x", "acme", "q", "/srv/x", ("true",)), user="sft-acme")
     fake.start(sid)
     return _job(engine, status="running", slurm_job_id=sid, **kw), sid
 
@@ -313,7 +313,7 @@ def test_lost_commit_rolls_back_and_removes_the_build(env: Any) -> None:
 
 def test_cancelling_job_is_cancelled_once_slurm_has_no_process(env: Any) -> None:
     engine, settings, fake, client = env
-    sid = client.submit(JobScript("x", "acme", "q", "/srv/x", ("true",)))
+    sid = client.submit(JobScript("x", "acme", "q", "/srv/x", ("true",)), user="sft-acme")
     jid = _job(engine, status="cancelling", slurm_job_id=sid)
     fake.start(sid)
     rec = Reconciler(engine, settings, client)
@@ -363,3 +363,47 @@ def test_node_lists_expand_like_slurms() -> None:
     for bad in ("gpu[01-", "gpu[3-1]", "gpu[a-b]", "x,gpu]1", "n[0-99999]"):
         with pytest.raises(SlurmParseError):
             expand_nodelist(bad)
+
+
+def test_a_recorded_id_of_another_tenants_job_is_an_alert_never_an_action(env: Any) -> None:
+    """A job row that holds another tenant's Slurm id (once, an id a tampered sbatch printed): its
+    cancel never reaches that job, nothing Slurm says of it changes the row, and the tenant sees one
+    warning; the tenant's other jobs are reconciled as usual."""
+    engine, settings, fake, client = env
+    fake.accounts.add("beta")
+    victim = client.submit(JobScript("v", "beta", "q", "/srv/v", ("true",)), user="sft-beta")
+    fake.start(victim)
+    bad = _job(engine, status="cancelling", slurm_job_id=victim)
+    good, _ = _running(engine, client, fake)
+    fake.finish(victim, "CANCELLED", "0:15")       # even an ending of that job is not this job's
+    rec = Reconciler(engine, settings, client)
+    for _ in range(2):
+        rec.cycle()
+    assert _status(engine, bad).status == "cancelling" and rec.alerts == 2
+    assert not any(c[0] == "scancel" for c in fake.calls)
+    with Session(engine) as s:
+        warns = [e.message for e in s.exec(select(JobEvent).where(JobEvent.job_id == bad))
+                 if "does not act on its records" in e.message]
+    assert len(warns) == 1 and "its account is not acme" in warns[0]
+    assert _status(engine, good).status == "running"
+
+
+def test_one_jobs_unreadable_record_fails_that_job_only(env: Any) -> None:
+    engine, settings, fake, client = env
+    ids = [_running(engine, client, fake) for _ in range(3)]
+    broken = ids[1][1]
+    real = fake.run
+
+    def mangled(argv, **kw):  # type: ignore[no-untyped-def]
+        res = real(argv, **kw)
+        if argv[0] == "squeue":
+            out = "".join(x.replace("\x1fFAILED\x1f", "\x1fFAILED\x1fextra\x1f") + "\n" if x.startswith(f"{broken}\x1f")
+                          else x + "\n" for x in res.stdout.splitlines())
+            return type(res)(res.argv, res.returncode, out, res.stderr, res.seconds)
+        return res
+    fake.run = mangled  # type: ignore[method-assign]
+    for _, sid in ids:
+        fake.finish(sid, "FAILED", "1:0")
+    stats = Reconciler(engine, settings, client).cycle()
+    assert not stats.errors
+    assert [_status(engine, jid).status for jid, _ in ids] == ["failed", "running", "failed"]
