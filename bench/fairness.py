@@ -73,7 +73,7 @@ from gateway.jobs.state import SLURM_ACTIVE  # noqa: E402
 from gateway.slurm import JobScript, LocalRunner, SlurmClient  # noqa: E402
 from gateway.slurm.admin import Admin, unix_user_for  # noqa: E402
 from gateway.slurm.policy import QosTier  # noqa: E402
-from gateway.slurm.records import AcctRecord  # noqa: E402
+from gateway.slurm.records import AcctRecord, Owner  # noqa: E402
 
 A, B = "t-fair-a", "t-fair-b"
 BENCH_QOS = QosTier(name="ft-bench", description="fairness bench: a whole node pair per user",
@@ -375,9 +375,10 @@ def report(client: SlurmClient, start: datetime, ids_a: list[int], ids_b: list[i
 
 
 def cleanup(client: SlurmClient, ids: list[int]) -> None:
-    active = [j for j, s in client.states(ids).items() if s.active] if ids else []
-    for j in active:
-        client.cancel(j, deadline_s=5)
+    active = [(j, s) for j, s in client.states(ids).items() if s.active] if ids else []
+    for j, s in active:
+        if s.queue is not None:         # the bench's own job: cancelled as its owner's
+            client.cancel(j, owner=Owner(s.queue.user, s.queue.account), deadline_s=5)
     print(f"cleanup: cancelled {len(active)} bench job(s) still active")
 
 

@@ -74,6 +74,9 @@ class StateCollector(Collector):
         for (verb, outcome), n in sorted(dict(stats.storage_missed).items()):
             missed.add_metric([verb, outcome], n)
         yield missed
+        yield CounterMetricFamily(
+            "sft_reconcile_record_alerts", "Slurm records a cycle did not act on: another user's or account's "
+            "job under a recorded id, or records that did not parse or repeated an id", value=rec.alerts)
         yield GaugeMetricFamily("sft_reconciler_leader", "1 while this process holds the reconciler lease",
                                 value=1.0 if rec.lease.held else 0.0)
         yield CounterMetricFamily("sft_reconciler_lease_takeovers", "Times this process took the reconciler lease",

@@ -53,7 +53,7 @@ def test_requests_jobs_and_a_running_job_are_exported(gw: Gateway) -> None:
     assert labels["job"] == jid and 4.0 <= age < 60
     (_, ck_age), = fam["sft_job_checkpoint_age_seconds"]
     assert 30.0 <= ck_age < 90
-    assert "sft_reconcile_cycles" in fam and "sft_detector_findings" in fam
+    assert "sft_reconcile_cycles" in fam and "sft_detector_findings" in fam and "sft_reconcile_record_alerts" in fam
 
 
 def test_the_sample_dashboard_asks_only_for_metrics_the_gateway_exports(gw: Gateway) -> None:

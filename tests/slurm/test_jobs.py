@@ -7,6 +7,7 @@ import json
 import pytest
 
 from gateway.slurm import SlurmClient, SlurmCommandError
+from gateway.slurm.records import Owner
 from tests.slurm.conftest import accounting, finished, submit, wait_for, wait_output
 
 pytestmark = pytest.mark.slurm
@@ -57,7 +58,7 @@ def test_qos_gpu_limit_holds_third_job_while_other_tenant_runs(
         assert client.states([ids[2]])[ids[2]].reason == "QOSMaxGRESPerUser"
     finally:
         for j in ids:
-            client.cancel(j, deadline_s=5)
+            client.cancel(j, owner=Owner(f"sft-{a}", a), deadline_s=5)
 
 
 def test_job_past_max_wall_is_refused_with_slurms_reason(client: SlurmClient,
@@ -94,7 +95,7 @@ def test_states_of_20_jobs_is_one_squeue_and_at_most_one_sacct(
         assert all(states[j].state in ("PENDING", "RUNNING") for j in ids[2:])
     finally:
         for j in ids[2:]:
-            client.cancel(j, deadline_s=5)
+            client.cancel(j, owner=Owner(f"sft-{a}", a), deadline_s=5)
 
 
 def test_cancel_term_ignoring_job_within_deadline(client: SlurmClient,
@@ -102,7 +103,7 @@ def test_cancel_term_ignoring_job_within_deadline(client: SlurmClient,
     a, _ = tenants
     jid, d = submit(client, a, "trap '' TERM; echo started; while true; do sleep 0.2; done")
     wait_output(d / f"slurm-{jid}.out", "started")
-    res = client.cancel(jid, deadline_s=3)
+    res = client.cancel(jid, owner=Owner(f"sft-{a}", a), deadline_s=3)
     print(f"\ncancel of a SIGTERM-ignoring job: {res.seconds:.2f}s "
           f"(deadline 3s, escalated={res.escalated}, final {res.final_state})")
     assert res.escalated and res.seconds < 3 + 5, "KILL must end it well before KillWait (30s)"
@@ -114,7 +115,7 @@ def test_cancel_polite_job_is_recorded_cancelled(client: SlurmClient,
     a, _ = tenants
     jid, d = submit(client, a, "echo started; sleep 120")
     wait_output(d / f"slurm-{jid}.out", "started")
-    res = client.cancel(jid, deadline_s=10)
+    res = client.cancel(jid, owner=Owner(f"sft-{a}", a), deadline_s=10)
     print(f"\ncancel of a polite job: {res.seconds:.2f}s")
     assert not res.escalated and res.seconds < 5
     assert wait_for(client, jid, finished).state == "CANCELLED"

@@ -18,6 +18,7 @@ import pytest
 
 from gateway.slurm import LocalRunner, SlurmClient
 from gateway.slurm.admin import Admin, unix_user_for
+from gateway.slurm.records import Owner
 from gateway.slurm.runner import CommandResult
 from tests.slurm.conftest import submit, wait_for
 
@@ -156,7 +157,7 @@ def test_gateway_service_user_sees_everything_and_cancels_and_requeues_any_job(
     assert {r.job_id_raw for r in gw.accounting([ja, jb])} == {ja, jb}
     assert {a, b} <= {s.account for s in gw.sshare()}
     # requeue B's job, cancel A's
-    gw.requeue(jb)
+    gw.requeue(jb, owner=Owner(f"sft-{b}", b))
     deadline = time.monotonic() + 60
     while not any(r.state == "REQUEUED" for r in gw.history(jb)):     # the first run, as the requeue ended it
         assert time.monotonic() < deadline, [r.state for r in gw.history(jb)]

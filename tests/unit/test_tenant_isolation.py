@@ -30,7 +30,7 @@ from gateway.storage import SUBMIT_MARGIN_S, VERB_TIMEOUT_S
 from gateway.storage import Storage as GatewayStorage
 from gateway.storage.broker import REPLY_GRACE_S, REPORT, Children, recv_msg, send_msg
 
-WAIT_S = 0.3
+WAIT_S = 2.0      # generous: the suite runs on 2 busy cores; a healthy call answers in ms
 
 
 class Clock:
@@ -57,12 +57,12 @@ def test_a_hanging_tenant_costs_one_bounded_wait_then_nothing() -> None:
     tc = TenantCalls()
     t0 = time.monotonic()
     first = tc.run({"a": call("a"), "b": call("b")}, WAIT_S)
-    assert time.monotonic() - t0 < WAIT_S + 0.25
+    assert time.monotonic() - t0 < WAIT_S + 1.5
     assert first.results == {"b": "b-answer"} and first.late == ["a"] and tc.busy("a")
     for _ in range(5):                     # a's call still runs: a is not called again, nobody waits for it
         t0 = time.monotonic()
         again = tc.run({"a": call("a"), "b": call("b")}, WAIT_S)
-        assert time.monotonic() - t0 < 0.1
+        assert time.monotonic() - t0 < WAIT_S / 2     # no wait for the stalled tenant
         assert again.results == {"b": "b-answer"} and again.skipped == ["a"]
     assert calls == {"a": 1, "b": 6}
     release.set()
@@ -156,12 +156,12 @@ def test_a_stalled_tenant_never_stalls_another_tenants_events(rec: tuple[Reconci
             FineTuningJob(id="ftjob-b", tenant_id=2, training_file="f", model="m", events_offset=3)]
     t0 = time.monotonic()
     assert r._read_events(jobs, tenants) == {"ftjob-b": b"b@3"}    # a's jobs wait for a later cycle
-    assert time.monotonic() - t0 < WAIT_S + 0.25
+    assert time.monotonic() - t0 < WAIT_S + 1.5
     assert r.stats.storage_missed == {("read_events", "late"): 1}
     for _ in range(10):                                            # later cycles: no wait, no new call to a
         t0 = time.monotonic()
         assert r._read_events(jobs, tenants) == {"ftjob-b": b"b@3"}
-        assert time.monotonic() - t0 < 0.1
+        assert time.monotonic() - t0 < WAIT_S / 2     # no wait for the stalled tenant
     assert store.calls["a", "read_events"] == 1 and store.calls["b", "read_events"] == 11
     assert r.stats.storage_missed == {("read_events", "late"): 1, ("read_events", "skipped"): 10}
     store.release.set()
@@ -180,7 +180,7 @@ def test_the_sweep_is_bounded_the_same_way(rec: tuple[Reconciler, Storage], tmp_
         s.commit()
         t0 = time.monotonic()
         r._sweep_artifacts(s)
-        assert time.monotonic() - t0 < WAIT_S + 0.25
+        assert time.monotonic() - t0 < WAIT_S + 1.5
     assert store.calls["b", "sweep"] == 1 and r.stats.storage_missed == {("sweep", "late"): 1}
 
 
