@@ -1,6 +1,6 @@
 """Per-tenant storage calls of a reconcile cycle, isolated from each other.
 
-Each tenant's call (its events read, its temp sweep) runs on a small pool of daemon threads,
+Each tenant's call (its events read, its temp sweep) runs on a daemon thread of its own (at most WORKERS at once),
 side by side with the other tenants', and the cycle waits for all of them together for a
 bounded time. A tenant that has not answered by then is left for a later cycle; while its
 call still runs, or for a doubling pause after one failed or answered late, it is not called
@@ -10,7 +10,6 @@ most one bounded wait now and then, and never a pile of threads or broker childr
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -22,7 +21,6 @@ T = TypeVar("T")
 WORKERS = 8
 PAUSE_MIN_S = 1.0        # the pause after a tenant's first failed or late call; it doubles per repeat
 PAUSE_MAX_S = 60.0
-IDLE_EXIT_S = 30.0       # an idle worker thread ends after this (a new one starts on demand)
 
 
 @dataclass
@@ -40,14 +38,13 @@ class Round(Generic[T]):
 
 
 class TenantCalls:
-    """Runs one call per tenant at a time, ``WORKERS`` at once; thread-safe."""
+    """Runs one call per tenant at a time, at most ``WORKERS`` at once, each on its own daemon thread;
+    thread-safe."""
 
     def __init__(self, workers: int = WORKERS, clock: Callable[[], float] = time.monotonic):
         self.workers, self.clock = workers, clock
-        self._jobs: queue.Queue[tuple[str, Callable[[], Any], Future[Any]]] = queue.Queue()
         self._lock = threading.Lock()
-        self._threads = 0
-        self._idle = 0
+        self._running = 0
         self._busy: set[str] = set()
         self._pause: dict[str, tuple[float, float]] = {}   # tenant -> (not before, length of its pause)
 
@@ -68,9 +65,9 @@ class TenantCalls:
                     troubled.add(tenant)
             started[tenant] = self._submit(tenant, fn)
         if started:
-            wait(started.values(), timeout=wait_s)
+            wait([f for f in started.values() if not f.cancelled()], timeout=wait_s)
         for tenant, fut in started.items():
-            if not fut.done() and fut.cancel():       # queued behind others, never started: no fault of its own
+            if fut.cancelled():                       # too many calls still running: no fault of its own
                 self._finish(tenant, ok=None)
                 out.skipped.append(tenant)
             elif not fut.done():
@@ -90,40 +87,32 @@ class TenantCalls:
 
     # ----------------------------------------------------------------- internals
     def _submit(self, tenant: str, fn: Callable[[], T]) -> Future[T]:
+        """Run ``fn`` on a thread of its own, or, with ``workers`` calls already running (stalled
+        tenants), not at all: a cancelled future (skipped, no fault of the tenant's). A thread per
+        call, never a queue behind a stalled one: one tenant in flight at a time bounds them."""
         fut: Future[T] = Future()
-        self._jobs.put((tenant, fn, fut))
         with self._lock:
-            if self._jobs.qsize() > self._idle and self._threads < self.workers:
-                self._threads += 1
-                threading.Thread(target=self._work, name=f"tenant-calls-{self._threads}", daemon=True).start()
+            if self._running >= self.workers:
+                fut.cancel()
+                return fut
+            self._running += 1
+        threading.Thread(target=self._work, args=(tenant, fn, fut), name=f"tenant-call-{tenant}",
+                         daemon=True).start()
         return fut
 
-    def _work(self) -> None:
-        while True:
-            with self._lock:
-                self._idle += 1
-            try:
-                tenant, fn, fut = self._jobs.get(timeout=IDLE_EXIT_S)
-            except queue.Empty:
-                with self._lock:
-                    self._idle -= 1
-                    if self._jobs.empty():        # else a call was queued meanwhile, counting on this thread
-                        self._threads -= 1
-                        return
-                continue
-            with self._lock:
-                self._idle -= 1
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                result, error = fn(), None
-            except BaseException as e:   # noqa: BLE001 - handed to the round that waits for it
-                result, error = None, e
-            self._finish(tenant, ok=error is None)     # before the waiter wakes: its next round may call again
-            if error is None:
-                fut.set_result(result)
-            else:
-                fut.set_exception(error)
+    def _work(self, tenant: str, fn: Callable[[], Any], fut: Future[Any]) -> None:
+        fut.set_running_or_notify_cancel()
+        try:
+            result, error = fn(), None
+        except BaseException as e:   # noqa: BLE001 - handed to the round that waits for it
+            result, error = None, e
+        with self._lock:
+            self._running -= 1
+        self._finish(tenant, ok=error is None)     # before the waiter wakes: its next round may call again
+        if error is None:
+            fut.set_result(result)
+        else:
+            fut.set_exception(error)
 
     def _finish(self, tenant: str, ok: bool | None) -> None:
         """The tenant's call ended: succeeded (its pause halves), failed (it doubles) or never ran."""

@@ -269,3 +269,16 @@ def _until(ok: Any, timeout: float = 5.0) -> None:
     while not ok():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.01)
+
+
+def test_a_healthy_tenants_call_never_waits_behind_a_stalled_one() -> None:
+    """Regression: calls once shared a queue whose idle-thread count could be stale, so on a busy
+    machine a healthy tenant's call could sit behind a stalled tenant's until that one ended."""
+    release = threading.Event()
+    try:
+        for _ in range(200):
+            tc = TenantCalls()
+            hung = tc._submit("a", lambda: release.wait(30))
+            assert tc._submit("b", lambda: "b").result(timeout=5) == "b" and not hung.done()
+    finally:
+        release.set()
