@@ -71,22 +71,27 @@ def receiver() -> Iterator[Receiver]:
     r.close()
 
 
+def _ended_job(gw: Gateway, state: JobState) -> str:
+    """A job of TENANT_A that ended in ``state``, its deliveries enqueued as the transition does; its id."""
+    fid = gw.upload(TENANT_A, chat_lines(12)).json()["id"]
+    with Session(gw.app.state.engine) as s:
+        tenant = s.exec(select(Tenant).where(Tenant.name == TENANT_A)).one()
+        job = FineTuningJob(tenant_id=tenant.id, training_file=fid, model="tiny-chat", status=state.value)  # type: ignore[arg-type]
+        s.add(job)
+        s.flush()
+        webhooks.enqueue(s, job, state)
+        s.commit()
+        return job.id
+
+
 def test_a_signed_delivery_verifies_with_the_openai_sdk_after_two_failures(gw: Gateway, receiver: Receiver) -> None:
     from openai import OpenAI
 
     settings: Settings = gw.settings
     settings.webhook_allowed_hosts, settings.webhook_retry_base_s = ["127.0.0.1"], 0.0
     reg = gw.client.post("/v1/webhooks", headers=_admin(gw, TENANT_A), json={"url": receiver.url}).json()
-    fid = gw.upload(TENANT_A, chat_lines(12)).json()["id"]
     engine = gw.app.state.engine
-    with Session(engine) as s:
-        tenant = s.exec(select(Tenant).where(Tenant.name == TENANT_A)).one()
-        job = FineTuningJob(tenant_id=tenant.id, training_file=fid, model="tiny-chat", status="succeeded")  # type: ignore[arg-type]
-        s.add(job)
-        s.flush()
-        webhooks.enqueue(s, job, JobState.SUCCEEDED)
-        s.commit()
-        jid = job.id
+    jid = _ended_job(gw, JobState.SUCCEEDED)
     assert [webhooks.deliver_due(engine, settings) for _ in range(3)] == [0, 0, 1]
     assert [code for _, _, code in receiver.got] == [500, 500, 200]
     headers, body, _ = receiver.got[-1]
@@ -105,15 +110,8 @@ def test_a_delivery_to_a_host_no_longer_allowed_is_refused_without_its_address(g
     settings: Settings = gw.settings
     settings.webhook_allowed_hosts, settings.webhook_max_attempts = ["localhost"], 1
     reg = gw.client.post("/v1/webhooks", headers=_admin(gw, TENANT_A), json={"url": "http://localhost:9/h"}).json()
-    fid = gw.upload(TENANT_A, chat_lines(12)).json()["id"]
     engine = gw.app.state.engine
-    with Session(engine) as s:
-        tenant = s.exec(select(Tenant).where(Tenant.name == TENANT_A)).one()
-        job = FineTuningJob(tenant_id=tenant.id, training_file=fid, model="tiny-chat", status="failed")  # type: ignore[arg-type]
-        s.add(job)
-        s.flush()
-        webhooks.enqueue(s, job, JobState.FAILED)
-        s.commit()
+    _ended_job(gw, JobState.FAILED)
     settings.webhook_allowed_hosts = []
     assert webhooks.deliver_due(engine, settings) == 0
     [d] = gw.client.get(f"/v1/webhooks/{reg['id']}/deliveries", headers=gw.auth(TENANT_A)).json()["data"]
