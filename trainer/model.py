@@ -196,8 +196,13 @@ def disable_cpu_repack(model: Any) -> int:
     return patched
 
 
-def add_lora(model: Any, hp: Hyperparameters) -> Any:
-    """Prepare a k-bit model for training and wrap it with LoRA (seeded init)."""
+def add_lora(model: Any, hp: Hyperparameters, dropout: bool = True) -> Any:
+    """Prepare a k-bit model for training and wrap it with LoRA (seeded init).
+
+    ``dropout=False`` (DPO, as TRL's ``disable_dropout``): the policy trains without any
+    dropout, LoRA's and the base model's alike, so it is scored as the reference was (in
+    eval mode, without dropout); ``hp.lora_dropout`` is then not used.
+    """
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
@@ -210,12 +215,32 @@ def add_lora(model: Any, hp: Hyperparameters) -> Any:
     config = LoraConfig(
         r=hp.lora_r,
         lora_alpha=hp.lora_alpha,
-        lora_dropout=hp.lora_dropout,
+        lora_dropout=hp.lora_dropout if dropout else 0.0,
         target_modules=hp.target_modules,
         bias="none",
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)
+    model = get_peft_model(model, config)
+    if not dropout:
+        disable_dropout(model)
+    return model
+
+
+def disable_dropout(model: Any) -> int:
+    """Set every ``torch.nn.Dropout`` of ``model`` to p = 0 (TRL's ``disable_dropout_in_model``), and
+    the attention dropout transformers' attention modules read from ``attention_dropout``; return how
+    many modules were changed."""
+    import torch
+
+    found = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+            found += 1
+        elif isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+            found += 1
+    return found
 
 
 def compile_layers(model: Any) -> int:

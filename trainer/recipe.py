@@ -234,7 +234,7 @@ class Recipe:
             self.total_steps,
         )
         base = load_base_model(model_path, self.device, self.hp.max_seq_len, shardable=self.spec.fsdp)
-        self.model = add_lora(base, self.hp)
+        self.model = add_lora(base, self.hp, dropout=not self.preference)  # DPO: no dropout, as TRL
         if self.spec.fsdp:
             log.info("fsdp: %d decoder layers sharded over %d rank(s)", self.world.shard(self.model), self.world.size)
         if self.hp.torch_compile and self.device == "cuda" and self.spec.fsdp:

@@ -196,6 +196,11 @@ class JobSpec(_Strict):
                 f"method dpo: batch_size_tokens ({hp.batch_size_tokens}) must be >= 2 * max_seq_len "
                 f"({2 * hp.max_seq_len}): one optimizer step must hold a whole pair (both sides)"
             )
+        if self.method == "dpo" and "lora_dropout" in hp.model_fields_set and hp.lora_dropout:
+            raise ValueError(
+                f"method dpo trains without dropout (as TRL does: the policy is scored like its reference), "
+                f"so hyperparameters.lora_dropout ({hp.lora_dropout}) would not be used: leave it out, or set 0"
+            )
         if self.method == "dpo" and self.fsdp:
             raise ValueError("method dpo does not run sharded (fsdp) yet: train it data parallel, without fsdp")
         return self
