@@ -381,3 +381,23 @@ def test_catalog_detects_silent_change(tmp_path: Path) -> None:
 def test_catalog_rejects_bad_name(tmp_path: Path) -> None:
     with pytest.raises(CatalogError, match="invalid model name"):
         add(_fake_model(tmp_path), "../evil", tmp_path / "models", check=None)
+
+
+def test_disable_dropout_turns_off_every_dropout_and_attention_dropout() -> None:
+    """DPO's policy must be scored as its reference was: no LoRA dropout, no base-model dropout."""
+    import torch
+
+    from trainer.model import disable_dropout
+
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention_dropout = 0.1
+            self.drop = torch.nn.Dropout(0.3)
+
+    model = torch.nn.Sequential(Attention(), torch.nn.Dropout(0.5), torch.nn.Linear(2, 2))
+    assert disable_dropout(model) == 3
+    assert model[0].attention_dropout == 0.0 and model[0].drop.p == 0.0 and model[1].p == 0.0
+    model.train()
+    x = torch.ones(4, 2)
+    assert torch.equal(model[1](x), x)

@@ -136,6 +136,7 @@ def test_a_dpo_job_tells_the_trainer_its_method_and_beta(tmp_path: Path) -> None
     ({"beta": 0.2}, "supervised", "beta is a DPO hyperparameter"),
     ({"max_seq_len": 2048, "batch_size_tokens": 3000}, "dpo", "must be >= 2 * max_seq_len"),
     ({"beta": 0}, "dpo", "beta"),
+    ({"lora_dropout": 0.1}, "dpo", "trains without dropout"),
 ])
 def test_dpo_settings_that_cannot_train_are_a_clear_400(tmp_path: Path, hp: dict[str, object], method: str,
                                                         words: str) -> None:
@@ -150,3 +151,8 @@ def test_a_supervised_request_keeps_its_idempotency_digest() -> None:
     plain = JobRequest(training_file="file-1", model="tiny-chat")
     assert plain.digest() == JobRequest(training_file="file-1", model="tiny-chat", method="supervised").digest()
     assert plain.digest() != JobRequest(training_file="file-1", model="tiny-chat", method="dpo").digest()
+
+
+def test_a_dpo_job_may_say_dropout_zero(tmp_path: Path) -> None:
+    """DPO trains without dropout (as TRL): 0 is accepted (an old client, a sweep), only a non-zero value is refused."""
+    assert parse_spec(_dpo_spec(tmp_path, {"lora_dropout": 0.0})).hyperparameters.lora_dropout == 0.0
