@@ -1,13 +1,27 @@
 """Throughput, peak memory and held-out preference quality: our DPO trainer vs TRL ``DPOTrainer`` at its best.
 
 Both contenders train the same 4-bit NF4 model (``trainer.catalog.make_tiny``, loaded by
-``trainer.model.load_base_model`` for both) with the same LoRA (r 8, alpha 16, dropout 0, all-linear),
+``trainer.model.load_base_model`` for both) with the same LoRA (r 8, alpha 16, all-linear),
 AdamW (lr, betas, eps, weight decay 0), linear schedule (warmup 0), max grad norm 1.0, non-reentrant
 gradient checkpointing, sigmoid DPO loss with the same ``beta``, seed, epochs and pairs, on the same
 toy preference pairs (``trainer.toydata.toy_preferences``, OpenAI's preference format; converted for
 TRL to its conversational format: prompt = input messages, chosen / rejected = the one answer each).
 Both take the reference policy to be the initial model (the base: LoRA B = 0) and precompute its
 log-probabilities once before training (ours in ``setup``, TRL with ``precompute_ref_log_probs``).
+
+Dropout: what production runs. Our spec leaves ``lora_dropout`` at the job spec's default (0.05), which
+a DPO job does not use (``trainer.model.add_lora(dropout=False)``: every dropout of the policy off);
+TRL gets the same ``LoraConfig(lora_dropout=0.05)`` and its DPO default ``disable_dropout=True``
+(``trl.trainer.utils.disable_dropout_in_model``: every ``nn.Dropout`` to p = 0, LoRA's included, as
+it runs after ``get_peft_model``). The bench passes neither side an override; it reads TRL's default
+from ``DPOConfig`` and prints it, and each run prints how many dropout modules were still active (0).
+
+Attention (``--attention same``, the default): TRL 1.16 cannot train DPO padding-free, so it runs
+padded batches with an attention mask, which no varlen kernel serves. On the CPU both run torch's
+SDPA (ours one causal call per example, ``sft_varlen``'s CPU path; TRL one masked call per batch).
+On CUDA with flash-attn both run ``flash_attention_2``; on CUDA without it ours is put on SDPA too
+(our dense-mask fallback), since TRL's masked batch cannot use torch's varlen kernel. ``--attention
+own`` leaves ours on its production choice. Each run prints the attention it trained with.
 
 Pairs per optimizer step. Ours plans steps by tokens (whole pairs up to ``batch_size_tokens``), so a
 step holds a variable number of pairs; TRL takes a fixed ``per_device_train_batch_size``. The bench
@@ -26,11 +40,12 @@ The peer's best configuration (``trl_best_config``, printed at the start), from 
   uses 16 x the training batch: of 1x / 4x / 16x it gave TRL the fastest *training* here (median
   ~+15 % tokens/s over 1x, in either order; the reference pass itself took the same time), at ~+150 MB
   peak RSS over 1x. No reference forward per step, no second model in memory: what ours does.
-- ``loss_type=["sigmoid"]``, ``beta`` as ours, ``disable_dropout=True`` (TRL's DPO default; the LoRA
-  dropout is 0 on both sides, so neither pays for dropout masks).
+- ``loss_type=["sigmoid"]``, ``beta`` as ours; ``disable_dropout`` left at TRL's default (True).
 - ``padding_free`` left False: in 1.16 it "is temporarily unavailable after a refactor" (it warns and
   falls back to padding). TRL pads each batch to its longest side. ``use_logits_to_keep`` is gone: its
-  fused LM head always computes logits at completion positions only (as ours does).
+  fused LM head (``trl.trainer.utils.add_fused_lm_head``) never materialises the (T, V) logits; it
+  projects only the labelled positions where Triton runs (CUDA, XPU), and elsewhere (this CPU) every
+  position in tiles, zeroing the unlabelled ones (fixed tile shapes).
 - ``max_length`` = the longest side of the data (nothing is truncated; it has no other speed effect).
 - CPU: ``bf16=False`` (the model computes in fp32: NF4 compute dtype fp32, as ours) and fp32 LoRA
   weights: for a 4-bit model ``DPOTrainer`` casts the LoRA weights to bf16 unconditionally, and the
@@ -39,7 +54,7 @@ The peer's best configuration (``trl_best_config``, printed at the start), from 
   AVX512-BF16/AMX: ~18 % fewer tokens/s and ~+450 MB peak RSS (``--trl-bf16 on`` reproduces it).
   ``use_cpu=True``, ``optim="adamw_torch_fused"``, SDPA attention, dataloader in-process.
 - CUDA: the same with ``bf16=True`` and bf16 LoRA weights (TRL's QLoRA choice), ``flash_attention_2``
-  where the flash-attn package is installed, else SDPA.
+  where the flash-attn package is installed, else SDPA (see Attention above).
 - ``gradient_checkpointing=True`` (TRL's DPO default, and ours), ``use_reentrant=False``.
 
 Fair timing: each contender runs in its own fresh spawned process; its clock starts at the end of its
@@ -79,8 +94,8 @@ if str(REPO) not in sys.path:
 from bench import trainer as bt  # noqa: E402
 
 BETA = 0.1
-# TRL's DPO disables dropout by default (disable_dropout=True); no LoRA dropout on either side
-LORA: dict[str, Any] = {**bt.LORA, "dropout": 0.0}
+# production's LoRA (dropout: the spec's default, which DPO does not use); TRL disables it by its own default
+LORA: dict[str, Any] = bt.LORA
 LEARNING_RATE = 2e-4  # the toy task is easy: a rate that leaves the held-out loss mid-range
 VAL_PAIRS = 64
 OURS, TRL_BEST = "ours", "trl-best"
@@ -176,6 +191,8 @@ def _result(name: str, model: Any, job: dict[str, Any], marks: list[tuple[float,
     result: dict[str, Any] = {"name": name, "steps": len(marks), **bt._timed(marks), "mean_train_loss": mean_loss,
                               "ref_pass_s": ref_s, "peak_rss_mb": bt._peak_rss_mb(), "peak_cuda_mb": bt._peak_cuda_mb()}
     result["lora_dtypes"] = dict(Counter(str(p.dtype) for p in model.parameters() if p.requires_grad))
+    result["attention"] = str(model.config._attn_implementation)
+    result["active_dropout"] = bt.active_dropout(model)
     result["adapter"] = save_adapter(model, job, name)
     return result
 
@@ -184,11 +201,12 @@ def _result(name: str, model: Any, job: dict[str, Any], marks: list[tuple[float,
 
 
 def our_spec(job: dict[str, Any]) -> dict[str, Any]:
-    """bench/trainer.py's spec with ``method: dpo``, ``beta``, LoRA dropout 0 and one packed row per step."""
+    """bench/trainer.py's spec with ``method: dpo``, ``beta`` and one packed row per step; no dropout
+    override (what a production DPO job runs: the spec refuses a non-zero explicit lora_dropout)."""
     spec = bt.our_spec(job)
     spec["method"] = "dpo"
     hp = spec["hyperparameters"]
-    hp.update(beta=BETA, learning_rate=job["lr"], lora_dropout=LORA["dropout"],
+    hp.update(beta=BETA, learning_rate=job["lr"],
               max_seq_len=job["step_tokens"] // 2)  # a row holds <= 2 * max_seq_len tokens: the whole step
     return spec
 
@@ -200,9 +218,13 @@ def run_ours(job: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(job["threads"])
     import trainer.dpo
+    import trainer.model
     import trainer.recipe
     from trainer.recipe import Recipe, StopFlag
     from trainer.spec import parse_spec
+
+    if ours_on_sdpa(torch.cuda.is_available(), job):  # TRL's padded batches get no varlen kernel: one kernel for both
+        trainer.model.attention_implementation = lambda device, max_seq_len: "sdpa"
 
     ref_s = _time_calls([trainer.dpo, trainer.recipe], "reference_logps")
     recipe = Recipe(parse_spec(our_spec(job)), 0, StopFlag())
@@ -242,6 +264,32 @@ def _time_calls(modules: list[Any], name: str) -> list[float]:
 # ----------------------------------------------------------------- TRL
 
 
+def ours_on_sdpa(cuda: bool, job: dict[str, Any]) -> bool:
+    """``--attention same`` on CUDA without flash-attn: ours on SDPA too (see the module docstring)."""
+    return cuda and job.get("attention", "same") == "same" and bt.attention_for_trl(cuda) == "sdpa"
+
+
+def describe_attention(cuda: bool, job: dict[str, Any]) -> str:
+    """Both contenders' attention, in words."""
+    if not cuda:
+        return ("torch SDPA for both (ours: sft_varlen's CPU path, one causal call per example; TRL: sdpa, one masked "
+                "call per padded batch)")
+    if bt.attention_for_trl(cuda) == "flash_attention_2":
+        return "flash_attention_2 for both"
+    if ours_on_sdpa(cuda, job):
+        return "sdpa for both (ours put on its dense-mask fallback: TRL's padded batches get no varlen kernel)"
+    return "ours: its production choice (varlen kernel); TRL: sdpa with a padding mask"
+
+
+def trl_dropout_default() -> bool:
+    """TRL's own ``DPOConfig.disable_dropout`` default (the bench does not set it)."""
+    import dataclasses
+
+    from trl import DPOConfig
+
+    return bool(next(f.default for f in dataclasses.fields(DPOConfig) if f.name == "disable_dropout"))
+
+
 def trl_best_config(cuda: bool, job: dict[str, Any]) -> dict[str, Any]:
     """DPOConfig fields of TRL's fastest documented setup for this hardware (see the module docstring)."""
     per_step = job["pairs_per_step"]
@@ -251,7 +299,6 @@ def trl_best_config(cuda: bool, job: dict[str, Any]) -> dict[str, Any]:
         "precompute_ref_batch_size": 16 * per_step,
         "loss_type": ["sigmoid"],
         "beta": BETA,
-        "disable_dropout": True,
         "padding_free": False,  # trl 1.16: "temporarily unavailable", falls back to padding
         "max_length": job["longest_side"],
         "per_device_train_batch_size": per_step,
@@ -311,6 +358,7 @@ def run_trl(job: dict[str, Any]) -> dict[str, Any]:
                               processing_class=AutoTokenizer.from_pretrained(job["model"]), peft_config=lora,
                               callbacks=[clock])
     trainer.remove_callback(PrinterCallback)
+    assert trainer.model is not None
     as_built = dict(Counter(str(p.dtype) for p in trainer.model.parameters() if p.requires_grad))
     if not fields["bf16"]:
         bt.fp32_lora(trainer.model)  # undo TRL's bf16 cast of a 4-bit model's LoRA; the optimizer is not built yet
@@ -387,7 +435,8 @@ def format_run(r: dict[str, Any]) -> str:
     return (f"#{r['repeat']} {r['name']:9s} steps {r['steps']:4d} ({r['pairs_per_step']:.2f} pairs/step; timed "
             f"{r['timed_steps']:4d}, {r['timed_tokens']:7d} tokens, {r['timed_s']:6.2f} s) "
             f"{r['tokens_per_s']:7.0f} tok/s  ref pass {ref}  peak RSS {r['peak_rss_mb']:5.0f} MB{cuda}  "
-            f"train loss {r['mean_train_loss']:.4f}  LoRA {bt._dtypes(r['lora_dtypes'])}"
+            f"train loss {r['mean_train_loss']:.4f}  attention {r['attention']}  dropout modules active "
+            f"{r['active_dropout']}  LoRA {bt._dtypes(r['lora_dtypes'])}"
             + (f" (TRL built {bt._dtypes(built)})" if built else "")
             + ("" if r.get("order_matches_trl", True) else "  (WARNING: pair order differs from TRL's)"))
 
@@ -406,6 +455,10 @@ def medians(results: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]
     return out
 
 
+def _ratio(ours: float | None, peer: float | None) -> float | None:
+    return ours / peer if ours is not None and peer else None
+
+
 def table(med: dict[str, dict[str, float | None]], memory: str) -> str:
     """The medians (and ratios ours / TRL when both ran) as a Markdown table."""
     def cell(v: float | None, fmt: str) -> str:
@@ -419,12 +472,32 @@ def table(med: dict[str, dict[str, float | None]], memory: str) -> str:
     for name, m in med.items():
         lines.append(f"| {name} | " + " | ".join(cell(m[k], fmts[k]) for k in KEYS) + " |")
     if OURS in med and TRL_BEST in med:
-        ratio = {k: (med[OURS][k] / med[TRL_BEST][k] if med[OURS][k] is not None and med[TRL_BEST][k] else None)
-                 for k in ("tokens_per_s", "ref_pass_s", "memory_mb")}
+        ratio = {k: _ratio(med[OURS][k], med[TRL_BEST][k]) for k in ("tokens_per_s", "ref_pass_s", "memory_mb")}
         lines.append("| ratio ours / TRL | " + " | ".join(
             cell(ratio.get(k), ".2f") + ("x" if ratio.get(k) is not None else "") if k in ratio else ""
             for k in KEYS) + " |")
     return "\n".join(lines)
+
+
+def verdict(med: dict[str, dict[str, float | None]]) -> dict[str, Any]:
+    """Print and return ours / TRL against the goal (bench/trainer.py's ``GOAL``), when both ran."""
+    if OURS not in med or TRL_BEST not in med:
+        return {}
+    ours, peer = med[OURS], med[TRL_BEST]
+    assert ours["tokens_per_s"] and peer["tokens_per_s"] and ours["memory_mb"] and peer["memory_mb"]
+    assert ours["heldout_loss"] is not None and peer["heldout_loss"] is not None
+    v: dict[str, Any] = {"tokens_per_s_ratio": ours["tokens_per_s"] / peer["tokens_per_s"],
+                         "memory_ratio": ours["memory_mb"] / peer["memory_mb"],
+                         "heldout_loss_ours": ours["heldout_loss"], "heldout_loss_peer": peer["heldout_loss"]}
+    v.update(speed=v["tokens_per_s_ratio"] >= bt.GOAL["tokens_per_s_ratio"],
+             memory=v["memory_ratio"] <= bt.GOAL["memory_ratio"],
+             eval_loss=v["heldout_loss_ours"] <= v["heldout_loss_peer"])
+    v["goal_met"] = v["speed"] and v["memory"] and v["eval_loss"]
+    print(f"ratio ours / TRL-best: {v['tokens_per_s_ratio']:.2f}x tokens/s, {v['memory_ratio']:.2f}x memory, "
+          f"held-out DPO loss {v['heldout_loss_ours']:.4f} vs {v['heldout_loss_peer']:.4f} (goal: >= "
+          f"{bt.GOAL['tokens_per_s_ratio']}x at <= {bt.GOAL['memory_ratio']}x, loss no worse: "
+          f"{'met' if v['goal_met'] else 'NOT met'})")
+    return {"vs_trl_best": v}
 
 
 def describe(cuda: bool, job: dict[str, Any]) -> list[str]:
@@ -433,12 +506,15 @@ def describe(cuda: bool, job: dict[str, Any]) -> list[str]:
             f"one packed row per step: chosen then rejected, no padding, logits at trained positions only), "
             f"reference log-probs precomputed in setup, NF4 compute {'bf16' if cuda else 'fp32'}, "
             f"AdamW(lr={job['lr']}, weight_decay=0.0), linear schedule, warmup {bt.WARMUP_STEPS}, max grad norm "
-            f"{bt.MAX_GRAD_NORM}, gradient checkpointing {job['gradient_checkpointing']}")
+            f"{bt.MAX_GRAD_NORM}, gradient checkpointing {job['gradient_checkpointing']}, LoRA r={LORA['r']} "
+            f"alpha={LORA['alpha']}, lora_dropout the spec's default ({LORA['dropout']}, unused by DPO: "
+            f"add_lora(dropout=False))")
     fields = {**trl_best_config(cuda, job), **shared_config(job)}
     bf16 = fields["bf16"]
     peer = ("TRL-best DPOConfig(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + "); ref_model=None + "
             "peft_config (reference = adapter disabled); LoRA " + ", ".join(f"{k}={v}" for k, v in LORA.items())
-            + f"; attn_implementation={bt.attention_for_trl(cuda)}; LoRA weights "
+            + f"; disable_dropout={trl_dropout_default()} (TRL's DPOConfig default, not set by the bench)"
+            + f"; attention: {describe_attention(cuda, job)}; LoRA weights "
             + ("bf16 (TRL's QLoRA cast)" if bf16 else "fp32 (TRL's bf16 cast undone before train)")
             + "; base: trainer.model.load_base_model (NF4, double quant, compute " + ("bf16)" if cuda else "fp32)"))
     return [ours, peer]
@@ -457,6 +533,8 @@ def main() -> None:
     parser.add_argument("--no-gradient-checkpointing", action="store_true", help="turn it off for both")
     parser.add_argument("--trl-bf16", choices=["auto", "on", "off"], default="auto",
                         help="TRL's bf16 autocast (auto: on CUDA only; on the CPU it measured slower)")
+    parser.add_argument("--attention", choices=["same", "own"], default="same",
+                        help="same: one kernel for both (default); own: ours on its production choice")
     parser.add_argument("--only", choices=[OURS, "trl"], help="run one contender (no ratios)")
     args = parser.parse_args()
     bt.quiet()
@@ -469,7 +547,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-dpo-") as tmp:
         job = prepare(Path(tmp), args.pairs)
         job.update(epochs=args.epochs, threads=args.threads, lr=args.lr, pairs_per_step=args.pairs_per_step,
-                   gradient_checkpointing=not args.no_gradient_checkpointing, trl_bf16=args.trl_bf16)
+                   gradient_checkpointing=not args.no_gradient_checkpointing, trl_bf16=args.trl_bf16,
+                   attention=args.attention)
         job["pair_tokens"] = pair_tokens(job)
         job["longest_side"] = longest_side(job)
         job["step_tokens"] = step_budget(job["pair_tokens"], args.pairs_per_step, args.epochs, job["longest_side"])
@@ -495,6 +574,7 @@ def main() -> None:
               f"{r['reward_margin']:.4f}  reward accuracy {r['reward_accuracy']:.3f}")
     med = medians(results)
     print(table(med, memory))
+    summary = verdict(med)
     trl_counts = {r["trl_own_token_count"] for r in results if r["name"] == TRL_BEST}
     total = sum(job["pair_tokens"]) * args.epochs
     if trl_counts:
@@ -503,8 +583,9 @@ def main() -> None:
               "repeats": args.repeats,
               "pairs_per_step": args.pairs_per_step, "step_tokens": job["step_tokens"],
               "device": "cuda" if cuda else "cpu", "peer": {**trl_best_config(cuda, job), **shared_config(job),
-                                                            "attn_implementation": bt.attention_for_trl(cuda)}}
-    print(json.dumps({"bench": "dpo", "config": config, "reference": base, "runs": results, "medians": med}))
+                                                            "attention": describe_attention(cuda, job)}}
+    print(json.dumps({"bench": "dpo", "config": config, "reference": base, "runs": results, "medians": med,
+                      **summary}))
 
 
 if __name__ == "__main__":

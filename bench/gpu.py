@@ -2,11 +2,13 @@
 
 1. ``bnb_4bit``: bitsandbytes NF4 on CUDA works: a model loaded by ``trainer.model.load_base_model``
    and a standalone 4-bit layer, each output compared with a matmul on the dequantized weights.
-2. ``throughput``: ours vs TRL-best (``bench/trainer.py``: bf16, flash/SDPA attention, BFD packing)
+2. ``throughput``: ours vs TRL-best (``bench/trainer.py``: bf16, BFD packing, TRL on our attention)
    on a randomly initialised ~1B Llama shape and an 8B-shaped slice (Llama-3-8B dims, few layers),
    built offline and registered in a temp catalog: tokens/s after a warm-up step, peak
-   ``torch.cuda.max_memory_allocated`` and MFU = 6 x all parameters x tokens/s / the device's peak
-   dense bf16 FLOP/s (``PEAK_BF16``, matched on the device name).
+   ``torch.cuda.max_memory_allocated`` and MFU = the model FLOPs per token of the data
+   (``training_flops``: the decoder's linear layers, LoRA, causal attention per example, the head at
+   trained positions only) x tokens/s / the device's peak dense bf16 FLOP/s (``PEAK_BF16``, matched
+   on the device name). Both contenders on the same attention kernel (``bench/trainer.py``).
 2b. ``fsdp_qlora``: the sharded path (``fsdp``) on one device against the same steps unsharded.
 3. ``wipe``: the epilog's GPU wipe (``scrubber.gpu.wipe_gpu`` judged by ``scrubber.checks.judge_wipe``)
    with a canary test and a negative control: process A fills all free GPU memory with random words
@@ -82,12 +84,56 @@ def peak_flops(device: str) -> tuple[float | None, str]:
     return None, f"no peak bf16 figure for device {device!r}"
 
 
-def mfu(params: int, tokens_per_s: float, flops: float | None) -> float | None:
-    """Model FLOP utilisation with the 6 N FLOPs-per-token convention (N: trainable and frozen parameters)."""
-    return 6 * params * tokens_per_s / flops if flops else None
+def _decoder_linears(shape: dict[str, int]) -> list[tuple[int, int]]:
+    """(in, out) of each linear layer of one Llama decoder layer (q, k, v, o, gate, up, down)."""
+    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+    head_dim = shape.get("head_dim") or hidden // shape["num_attention_heads"]
+    q, kv = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
+    return [(hidden, q), (hidden, kv), (hidden, kv), (q, hidden), (hidden, inter), (hidden, inter), (inter, hidden)]
+
+
+def training_flops(shape: dict[str, int], lengths: list[int], trained: int, lora_r: int) -> dict[str, float]:
+    """Model FLOPs of one QLoRA training pass over examples of ``lengths`` tokens, ``trained`` of them
+    scored, for a Llama of ``shape`` with rank-``lora_r`` LoRA on every decoder linear layer; returns
+    each part and ``"total"``. Model FLOPs, not hardware FLOPs: gradient checkpointing's recompute is
+    not counted, nor logits a trainer computes at untrained positions (TRL's fused head on a device
+    without Triton), nor element-wise work (norms, activations, rotary, softmax).
+
+    - Decoder linear layers (N = their weights; the embeddings are a lookup and the head is counted
+      apart): 2N forward + 2N backward per token. The base is frozen, so its backward is only the
+      input gradient (2N), not the weight gradient: 4N, not the 6N of full fine-tuning.
+    - LoRA (A: in x r, B: r x out on each of those layers): trained, so 6 x its parameters per token
+      (forward, input gradient, weight gradient).
+    - Attention, per layer and example of length L, causal: L (L + 1) / 2 query-key pairs, each
+      2 x heads x head_dim FLOPs for Q K^T and as many for P V; the backward twice the forward.
+    - The head (vocab x hidden, frozen) only at the ``trained`` positions: 2 V H forward + 2 V H for
+      the input gradient.
+    """
+    layers, hidden, vocab = shape["num_hidden_layers"], shape["hidden_size"], shape["vocab_size"]
+    heads = shape["num_attention_heads"]
+    head_dim = shape.get("head_dim") or hidden // heads
+    linears = _decoder_linears(shape)
+    tokens = sum(lengths)
+    base = layers * sum(i * o for i, o in linears)
+    lora = layers * sum(lora_r * (i + o) for i, o in linears)
+    pairs = sum(n * (n + 1) // 2 for n in lengths)
+    parts = {"decoder": 4.0 * base * tokens, "lora": 6.0 * lora * tokens,
+             "attention": 3.0 * layers * 4 * heads * head_dim * pairs, "head": 4.0 * vocab * hidden * trained}
+    return {**parts, "total": sum(parts.values()), "tokens": float(tokens)}
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, peak: float | None) -> float | None:
+    """Model FLOP utilisation: ``flops_per_token`` (``training_flops``' total / its tokens) x tokens/s / peak."""
+    return flops_per_token * tokens_per_s / peak if peak else None
 
 
 # ----------------------------------------------------------------- 1. bitsandbytes 4-bit
+
+
+def _quant_state(layer: Any) -> Any:
+    """A bnb 4-bit layer's quantisation state (an attribute of its ``Params4bit`` weight)."""
+    weight: Any = layer.weight
+    return weight.quant_state
 
 
 def _rel_err(out: Any, ref: Any) -> float:
@@ -107,7 +153,7 @@ def check_bnb(job: dict[str, Any]) -> dict[str, Any]:
     layer = next(m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit))
     dtype = layer.compute_dtype or torch.float32
     out = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-           "weight_device": str(layer.weight.device), "quant_type": layer.weight.quant_state.quant_type,
+           "weight_device": str(layer.weight.device), "quant_type": _quant_state(layer).quant_type,
            "compute_dtype": str(dtype), "model_layer": _layer_vs_dequant(layer, 16, dtype, device)}
     out["standalone"] = _standalone(job["standalone_dim"], dtype, device)
     errors = [out["model_layer"]["rel_err"], *(r["rel_err"] for r in out["standalone"]["rows"].values())]
@@ -125,7 +171,7 @@ def _layer_vs_dequant(layer: Any, rows: int, dtype: Any, device: str) -> dict[st
     x = torch.randn(rows, layer.in_features, dtype=dtype, device=device)
     with torch.no_grad():
         y = layer(x)
-        ref = x @ F.dequantize_4bit(layer.weight.data, layer.weight.quant_state).to(dtype).t()
+        ref = x @ F.dequantize_4bit(layer.weight.data, _quant_state(layer)).to(dtype).t()
     return {"shape": [rows, layer.in_features, layer.out_features], "rel_err": _rel_err(y, ref)}
 
 
@@ -141,7 +187,7 @@ def _standalone(dim: int, dtype: Any, device: str) -> dict[str, Any]:
     layer.weight = bnb.nn.Params4bit(weight.clone(), requires_grad=False, quant_type="nf4")
     layer = layer.to(device).eval()
     layer.support_avx512bf16_for_cpu = False  # trainer.model.disable_cpu_repack's reason
-    deq = F.dequantize_4bit(layer.weight.data, layer.weight.quant_state).to(dtype)
+    deq = F.dequantize_4bit(layer.weight.data, _quant_state(layer)).to(dtype)
     quant_err = float((deq.float().cpu() - weight.float()).pow(2).mean().sqrt() / weight.float().pow(2).mean().sqrt())
     rows = {str(n): _layer_vs_dequant(layer, n, dtype, device) for n in (1, 64)}
     return {"dim": dim, "nf4_rel_rmse_vs_original": quant_err, "rows": rows}
@@ -195,11 +241,15 @@ def throughput(job: dict[str, Any], name: str, run: Runner, repeats: int, flops:
     print(f"== {name}: {built['params']:,} parameters", flush=True)
     results = bt.alternate(shape_job, repeats, False, run)
     summary = bt.report(shape_job, results, memory)
+    model_flops = training_flops(job["shapes"][name], job["lengths"], sum(job["trained"]), bt.LORA["r"])
+    per_token = model_flops["total"] / model_flops["tokens"]
     for who, m in summary["medians"].items():
-        m["mfu"] = mfu(built["params"], m["tokens_per_s"], flops)
-        print(f"MFU {who}: " + (f"{m['mfu']:.1%}" if m["mfu"] is not None else "n/a (no peak figure)"))
+        m["mfu"] = mfu(per_token, m["tokens_per_s"], flops)
+        print(f"MFU {who}: " + (f"{m['mfu']:.1%}" if m["mfu"] is not None else "n/a (no peak figure)")
+              + f" ({per_token / 1e9:.2f} GFLOP per token of the data)")
     out: dict[str, Any] = {"params": built["params"], "shape": job["shapes"][name], "memory": memory,
-                           "step_tokens": job["step_tokens"], "runs": results, **summary}
+                           "step_tokens": job["step_tokens"], "model_flops": model_flops,
+                           "flops_per_token": per_token, "runs": results, **summary}
     if not job["cuda"]:
         out["not_run"] = "no CUDA device: tiny shapes on CPU, peak RSS instead of CUDA memory, no MFU"
     return out
@@ -340,6 +390,7 @@ def setup_job(workdir: Path, dry: bool, steps: int, threads: int) -> dict[str, A
     per_chat = 45 * turns  # tokens, about: one toy exchange is ~45 tokens
     n = math.ceil(steps * step_tokens / per_chat * 1.1)
     job.update(bt.write_data(workdir, long_chats(n, turns, seed=21), long_chats(16, turns, seed=22)))
+    bt.add_counts(job, step_tokens)  # every shape shares make_tiny's tokenizer: one count of the data for all
     return job
 
 
@@ -381,8 +432,10 @@ def trainer_parts(results: dict[str, Any], args: argparse.Namespace, cuda: bool,
         _part(results, "fsdp_qlora", deadline, lambda: fsdp_smoke(job, run))
         print(bt.describe_peer(cuda, job["step_tokens"], job), flush=True)
         for name in shapes:
-            _part(results, f"throughput_{name}", deadline,
-                  lambda name=name: no_trl or throughput(job, name, run, args.repeats, results["peak_bf16_flops"]))
+            def part(name: str = name) -> dict[str, Any]:
+                return no_trl or throughput(job, name, run, args.repeats, results["peak_bf16_flops"])
+
+            _part(results, f"throughput_{name}", deadline, part)
 
 
 def main() -> None:

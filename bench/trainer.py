@@ -1,20 +1,30 @@
 """Throughput, peak memory and eval loss: our trainer vs TRL ``SFTTrainer`` in its best configuration.
 
 Both contenders train the same 4-bit NF4 model (``trainer.catalog.make_tiny`` here, other shapes
-from ``bench/gpu.py``) with the same LoRA (r, alpha, dropout, all-linear), optimizer (AdamW, same
-lr, betas, eps, weight decay 0), schedule (linear, same warmup), gradient checkpointing
-(non-reentrant), max grad norm 1.0 and tokens per optimizer step, on the same toy chats. The peer
-runs in the configuration TRL documents as its fastest for the hardware (see ``trl_best_config``,
-printed at the start): packed (BFD, padding-free) on both, fp32 compute and fp32 LoRA weights on
-CPU, bf16 and SDPA/flash attention on CUDA.
+from ``bench/gpu.py``) with the same LoRA (r, alpha, dropout: the production default, all-linear),
+optimizer (AdamW, same lr, betas, eps, weight decay 0), schedule (linear, same warmup), gradient
+checkpointing (non-reentrant), max grad norm 1.0 and tokens per optimizer step, on the same toy
+chats. The peer runs in the configuration TRL documents as its fastest for the hardware (see
+``trl_best_config``, printed at the start): packed (BFD, padding-free), fp32 compute and fp32 LoRA
+weights on CPU, bf16 on CUDA.
+
+Same attention kernel (``--attention same``, the default): TRL's model keeps the attention
+``trainer.model.load_base_model`` picked for ours (``sft_varlen`` on the CPU and on a GPU without
+flash-attn, ``flash_attention_2`` with it); TRL's padding-free collator passes the same
+``cu_seq_lens`` our rows do. Otherwise the kernel, not the trainer, would be measured: TRL on SDPA
+builds a dense block mask per packed row where ours runs per example. ``--attention own`` gives
+TRL its own documented choice (SDPA, or flash-attention 2 where installed) for reference.
 
 Fair timing: each contender runs in its own fresh spawned process; its clock starts after its first
-optimizer step (warm-up) and stops after its last; tokens/s = real (non-pad) tokens of the timed
-steps / timed seconds. Repeats alternate (ours, TRL, ours, TRL, ...); medians are reported. Both
-trained adapters are then scored by one function (``eval_loss``: ``trainer.model.evaluate`` over
-our tokenization of the validation file, token-weighted mean CE over assistant tokens).
+optimizer step (warm-up) and stops after its last. Tokens are counted from the data, the same way
+for both: the tokenized length of every example a step trained on (ours: the examples of each
+planned step; TRL: those of each packed row its collator received). Not TRL's own
+``num_input_tokens_seen``: it drops every token equal to the pad id, and on SmolLM2 pad = eos.
+Repeats alternate (ours, TRL, ours, TRL, ...); medians are reported. Both trained adapters are then
+scored by one function (``eval_loss``: ``trainer.model.evaluate`` over our tokenization of the
+validation file, token-weighted mean CE over assistant tokens).
 
-    python bench/trainer.py [--examples 600] [--epochs 1] [--threads 1] [--repeats 3] [--also-trl-defaults]
+    python bench/trainer.py [--examples 600] [--epochs 1] [--threads 1] [--repeats 3] [--attention same|own]
 """
 
 from __future__ import annotations
@@ -37,7 +47,15 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-LORA: dict[str, Any] = {"r": 8, "alpha": 16, "dropout": 0.05, "target_modules": "all-linear"}
+def _production_dropout() -> float:
+    """The job spec's default ``lora_dropout``: what production trains SFT with (DPO: none, see bench/dpo.py)."""
+    from trainer.spec import Hyperparameters
+
+    return float(Hyperparameters.model_fields["lora_dropout"].default)
+
+
+# dropout is not put in our spec (production's default applies); TRL's LoraConfig gets the same value
+LORA: dict[str, Any] = {"r": 8, "alpha": 16, "dropout": _production_dropout(), "target_modules": "all-linear"}
 LEARNING_RATE = 2e-3
 WARMUP_STEPS = 0  # with 0 both schedules are the same formula: lr * (total - step) / total
 MAX_GRAD_NORM = 1.0
@@ -110,18 +128,29 @@ def prepare(workdir: Path, examples: int, model: str = "tiny") -> dict[str, Any]
     return job
 
 
-def mean_length(job: dict[str, Any]) -> float:
-    """Mean tokenized length of the training examples (our tokenization)."""
+def data_counts(job: dict[str, Any]) -> dict[str, Any]:
+    """Our tokenization of the training file: each example's length (``lengths``, in file order) and
+    its trained (assistant) tokens (``trained``): the token counts of the data, for both contenders."""
     from transformers import AutoTokenizer
 
     from trainer.data import read_conversations, tokenize_all
 
     tokenizer = AutoTokenizer.from_pretrained(job["model"])
     examples = tokenize_all(tokenizer, read_conversations(job["train"], "train"), 1 << 20, "train")
-    return sum(len(e) for e in examples) / len(examples)
+    return {"lengths": [len(e) for e in examples], "trained": [sum(e.loss_mask) for e in examples]}
 
 
-def eval_loss(model: Any, job: dict[str, Any]) -> dict[str, float]:
+def active_dropout(model: Any) -> int:
+    """How many dropout modules (``torch.nn.Dropout`` with p > 0, attention modules with
+    ``attention_dropout`` > 0) would drop units in training: printed for both, so a run shows what it trained with."""
+    import torch
+
+    return sum(1 for m in model.modules()
+               if (isinstance(m, torch.nn.Dropout) and m.p > 0)
+               or (isinstance(getattr(m, "attention_dropout", None), float) and m.attention_dropout > 0))
+
+
+def eval_loss(model: Any, job: dict[str, Any]) -> dict[str, Any]:
     """The one scoring function for both: token-weighted mean CE over the validation file's assistant tokens."""
     from transformers import AutoTokenizer
 
@@ -146,6 +175,8 @@ def _finish(name: str, model: Any, job: dict[str, Any], steps: int, marks: list[
             mean_train_loss: float) -> dict[str, Any]:
     result: dict[str, Any] = {"name": name, "steps": steps, **_timed(marks), "mean_train_loss": mean_train_loss}
     result["lora_dtypes"] = dict(Counter(str(p.dtype) for p in model.parameters() if p.requires_grad))
+    result["attention"] = str(model.config._attn_implementation)
+    result["active_dropout"] = active_dropout(model)
     result["eval"] = eval_loss(model, job)
     result["eval_loss"] = result["eval"]["loss"]
     result["peak_rss_mb"] = _peak_rss_mb()
@@ -169,7 +200,6 @@ def our_spec(job: dict[str, Any]) -> dict[str, Any]:
             "max_seq_len": job["step_tokens"],
             "lora_r": LORA["r"],
             "lora_alpha": LORA["alpha"],
-            "lora_dropout": LORA["dropout"],
             "target_modules": LORA["target_modules"],
             "warmup_steps": WARMUP_STEPS,
             "seed": SEED,
@@ -180,8 +210,18 @@ def our_spec(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def step_marks(times: list[float], counts: list[int]) -> list[tuple[float, int]]:
+    """(time, cumulative tokens) at the end of each step, from each step's token count."""
+    marks, seen = [], 0
+    for t, n in zip(times, counts, strict=True):
+        seen += n
+        marks.append((t, seen))
+    return marks
+
+
 def run_ours(job: dict[str, Any]) -> dict[str, Any]:
-    """Train with trainer.recipe (no final save); the per-step metrics give the timed window."""
+    """Train with trainer.recipe (no final save); step times from its per-step metrics, step tokens from the
+    data (the lengths of the examples each planned step holds)."""
     quiet()
     import torch
 
@@ -192,11 +232,11 @@ def run_ours(job: dict[str, Any]) -> dict[str, Any]:
     recipe = Recipe(parse_spec(our_spec(job)), 0, StopFlag())
     recipe.setup()
     recipe.train()
-    metrics = recipe.progress.metrics  # the only coupling: per optimizer step, "tokens", "elapsed_s", "loss"
-    marks, seen = [], 0
-    for m in metrics:
-        seen += m["tokens"]
-        marks.append((m["elapsed_s"], seen))
+    metrics = recipe.progress.metrics  # per optimizer step: "elapsed_s", "loss" (and "tokens", checked below)
+    counts = [sum(job["lengths"][i] for i in indices) for _, indices in recipe.steps[: len(metrics)]]
+    if counts != [m["tokens"] for m in metrics]:
+        raise SystemExit("ours: the recipe's per-step token counts differ from the data's")
+    marks = step_marks([m["elapsed_s"] for m in metrics], counts)
     mean_loss = sum(m["loss"] for m in metrics) / len(metrics)
     result = _finish(OURS, recipe.model, job, len(metrics), marks, mean_loss)
     recipe.cleanup()
@@ -250,10 +290,33 @@ def shared_config(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def attention_for_trl(cuda: bool) -> str:
-    """flash_attention_2 on CUDA where the flash-attn package is installed, else SDPA (also on CPU)."""
+    """TRL's own documented choice (``--attention own``): flash_attention_2 on CUDA where the flash-attn
+    package is installed, else SDPA (also on CPU)."""
     import importlib.util
 
     return "flash_attention_2" if cuda and importlib.util.find_spec("flash_attn") is not None else "sdpa"
+
+
+SAME_ATTENTION = ("the same as ours: trainer.model.attention_implementation (sft_varlen on CPU and on a GPU "
+                  "without flash-attn, flash_attention_2 with it; each run prints the one it trained with)")
+
+
+def describe_attention(cuda: bool, job: dict[str, Any]) -> str:
+    """The peer's attention, in words (the parent never asks CUDA: bench/gpu.py's parent must not initialise it)."""
+    return SAME_ATTENTION if job.get("attention", "same") == "same" else attention_for_trl(cuda)
+
+
+class CountingCollator:
+    """Wraps TRL's collator (it refuses a custom one with padding-free) and records, per batch, the
+    tokens of the examples it was given: the data's count, whatever the pad id is."""
+
+    def __init__(self, inner: Callable[[list[dict[str, Any]]], Any]) -> None:
+        self.inner = inner
+        self.counts: list[int] = []
+
+    def __call__(self, examples: list[dict[str, Any]]) -> Any:
+        self.counts.append(sum(len(e["input_ids"]) for e in examples))
+        return self.inner(examples)
 
 
 def _step_clock() -> tuple[Any, list[tuple[float, int]]]:
@@ -289,8 +352,8 @@ def run_trl(job: dict[str, Any]) -> dict[str, Any]:
     fields = (trl_best_config if best else trl_defaults_config)(cuda, job["step_tokens"])
     config = SFTConfig(output_dir=str(Path(job["workdir"]) / "trl-out"), save_strategy="no", eval_strategy="no",
                        report_to="none", logging_steps=10_000_000, disable_tqdm=True, **shared_config(job), **fields)
-    model = load_base_model(job["model"])
-    if best:
+    model = load_base_model(job["model"])  # with our attention choice
+    if not best or job.get("attention", "same") == "own":  # TRL's defaults pad batches: no varlen kernel serves them
         model.set_attn_implementation(attention_for_trl(cuda))
     lora = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
                       target_modules=LORA["target_modules"], bias="none", task_type="CAUSAL_LM")
@@ -300,12 +363,18 @@ def run_trl(job: dict[str, Any]) -> dict[str, Any]:
                          processing_class=AutoTokenizer.from_pretrained(job["model"]), peft_config=lora,
                          callbacks=[clock])
     trainer.remove_callback(PrinterCallback)  # its end-of-training dict, printed because tqdm is off
+    collator = trainer.data_collator = CountingCollator(trainer.data_collator)
+    assert trainer.model is not None
     as_built = dict(Counter(str(p.dtype) for p in trainer.model.parameters() if p.requires_grad))
     if best and not cuda:
         fp32_lora(trainer.model)  # TRL casts a 4-bit model's LoRA weights to bf16; the optimizer is not built yet
     output = trainer.train()
-    result = _finish(job["trl"], trainer.model, job, output.global_step, marks, output.training_loss)
+    if len(collator.counts) != output.global_step or len(marks) != output.global_step:
+        raise SystemExit(f"TRL ran {output.global_step} steps from {len(collator.counts)} batches: not one a step")
+    data_marks = step_marks([t for t, _ in marks], collator.counts)
+    result = _finish(job["trl"], trainer.model, job, output.global_step, data_marks, output.training_loss)
     result["lora_dtypes_as_built_by_trl"] = as_built
+    result["trl_own_token_count"] = marks[-1][1]  # num_input_tokens_seen "non_padding": drops tokens == pad id
     return result
 
 
@@ -350,7 +419,8 @@ def format_result(r: dict[str, Any]) -> str:
     return (f"#{r['repeat']} {r['name']:26s} steps {r['steps']:4d} (timed {r['timed_steps']:4d}, "
             f"{r['timed_tokens']:7d} tokens, {r['timed_s']:6.2f} s)  {r['tokens_per_s']:8.0f} tok/s  "
             f"peak RSS {r['peak_rss_mb']:6.0f} MB{cuda}  train loss {r['mean_train_loss']:.4f}  "
-            f"eval loss {r['eval_loss']:.4f}  LoRA {_dtypes(r['lora_dtypes'])}"
+            f"eval loss {r['eval_loss']:.4f}  attention {r['attention']}  dropout modules active "
+            f"{r['active_dropout']}  LoRA {_dtypes(r['lora_dtypes'])}"
             + (f" (TRL built {_dtypes(r['lora_dtypes_as_built_by_trl'])})" if "lora_dtypes_as_built_by_trl" in r
                else ""))
 
@@ -384,13 +454,16 @@ def describe_ours(cuda: bool, step_tokens: int) -> str:
     """Our configuration, as printed at the start."""
     return (f"ours: trainer.recipe, packed rows of <= {step_tokens} tokens (padding-free, logits at trained positions "
             f"only), NF4 compute {'bf16' if cuda else 'fp32'}, AdamW(lr={LEARNING_RATE}, weight_decay=0.0), linear "
-            f"schedule, warmup {WARMUP_STEPS}, max grad norm {MAX_GRAD_NORM}, non-reentrant gradient checkpointing")
+            f"schedule, warmup {WARMUP_STEPS}, max grad norm {MAX_GRAD_NORM}, non-reentrant gradient checkpointing, "
+            f"LoRA r={LORA['r']} alpha={LORA['alpha']} dropout {LORA['dropout']} (the spec's default), attention "
+            f"trainer.model.attention_implementation")
 
 
 def describe_peer(cuda: bool, step_tokens: int, job: dict[str, Any]) -> str:
     """The peer's configuration, as printed at the start."""
     fields = {**trl_best_config(cuda, step_tokens), **shared_config(job)}
-    extra = ["LoRA " + ", ".join(f"{k}={v}" for k, v in LORA.items()), f"attn_implementation={attention_for_trl(cuda)}",
+    extra = ["LoRA " + ", ".join(f"{k}={v}" for k, v in LORA.items()),
+             f"attn_implementation={describe_attention(cuda, job)}",
              "LoRA weights " + ("bf16 (TRL's QLoRA cast)" if cuda else "fp32 (TRL's bf16 cast undone before train)"),
              "base: trainer.model.load_base_model (NF4, double quant, compute " + ("bf16)" if cuda else "fp32)")]
     return "TRL-best SFTConfig(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + "); " + "; ".join(extra)
@@ -403,6 +476,7 @@ def report(job: dict[str, Any], results: list[dict[str, Any]], memory_key: str =
         print(f"median {name:26s} {m['tokens_per_s']:8.0f} tok/s  {memory_key} {m[memory_key]:7.0f}  "
               f"eval loss {m['eval_loss']:.4f}  train loss {m['mean_train_loss']:.4f}  steps {m['steps']:.0f}")
     summary: dict[str, Any] = {"medians": med, "vs_trl_best": verdict(med[OURS], med[TRL_BEST], memory_key)}
+    summary["token_count"] = token_check(job, results)
     v = summary["vs_trl_best"]
     print(f"ratio ours / TRL-best: {v['tokens_per_s_ratio']:.2f}x tokens/s, {v['memory_ratio']:.2f}x {memory_key}, "
           f"eval loss {v['eval_loss_ours']:.4f} vs {v['eval_loss_peer']:.4f} "
@@ -415,6 +489,27 @@ def report(job: dict[str, Any], results: list[dict[str, Any]], memory_key: str =
     return summary
 
 
+def token_check(job: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Print and return each contender's token total (from the data) next to the data's and TRL's own count."""
+    check: dict[str, Any] = {"data": sum(job["lengths"]) * job["epochs"]}
+    for name in dict.fromkeys(r["name"] for r in results):
+        mine = [r for r in results if r["name"] == name]
+        check[name] = sorted({r["total_tokens"] for r in mine})
+        own = sorted({r["trl_own_token_count"] for r in mine if "trl_own_token_count" in r})
+        if own:
+            check[f"{name} own num_input_tokens_seen"] = own
+    print("token count check (tokens of the examples trained on, our tokenization of the file: "
+          + ", ".join(f"{k} {v}" for k, v in check.items()) + ")")
+    return check
+
+
+def add_counts(job: dict[str, Any], step_tokens: int = 0) -> None:
+    """Put the data's token counts (``data_counts``) in ``job`` and the tokens per optimizer step
+    (``step_tokens``, or 8 x the mean example length)."""
+    job.update(data_counts(job))
+    job["step_tokens"] = step_tokens or max(16, math.ceil(8 * sum(job["lengths"]) / len(job["lengths"])))
+
+
 def main() -> None:
     """Run the alternating repeats and print per-run lines, medians, ratios and one JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -425,6 +520,9 @@ def main() -> None:
     parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny",
                         help="tiny random Llama (vocab 1,392), or SmolLM2-135M-Instruct (vocab 49,152) from its wheel")
     parser.add_argument("--step-tokens", type=int, default=0, help="tokens per optimizer step (0: 8 x mean length)")
+    parser.add_argument("--attention", choices=["same", "own"], default="same",
+                        help="TRL's attention: same (ours, the default: one kernel for both) or own (TRL's documented "
+                             "choice: SDPA, flash-attention 2 where installed)")
     parser.add_argument("--also-trl-defaults", action="store_true",
                         help="also run TRL with its defaults (padded, bf16 autocast on CPU), labelled handicapped")
     args = parser.parse_args()
@@ -434,8 +532,8 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
         job = prepare(Path(tmp), args.examples, args.model)
-        job.update(epochs=args.epochs, threads=args.threads)
-        job["step_tokens"] = args.step_tokens or max(16, math.ceil(8 * mean_length(job)))
+        job.update(epochs=args.epochs, threads=args.threads, attention=args.attention)
+        add_counts(job, args.step_tokens)
         print(f"{args.model} model, {args.examples} examples x {args.epochs} epochs, threads={args.threads}, "
               f"{args.repeats} alternating repeats, {job['step_tokens']} tokens per optimizer step for both, "
               f"{'CUDA' if cuda else 'CPU'}")
@@ -447,7 +545,7 @@ def main() -> None:
               "repeats": args.repeats,
               "step_tokens": job["step_tokens"], "device": "cuda" if cuda else "cpu",
               "peer": {**trl_best_config(cuda, job["step_tokens"]), **shared_config(job),
-                       "attn_implementation": attention_for_trl(cuda)}}
+                       "attn_implementation": describe_attention(cuda, job)}}
     print(json.dumps({"bench": "trainer", "config": config, "runs": results, **summary}))
 
 

@@ -41,8 +41,13 @@ def test_gpu_script_dry_mode_prints_one_json_line() -> None:
         for run in part["runs"]:
             assert run["timed_steps"] >= 2 and run["tokens_per_s"] > 0
             assert math.isfinite(run["eval_loss"]) and run["eval"]["tokens"] > 0
-        # the same data and tokenization: both saw every training token once
+        # the same data, counted from the data: both saw every training token once
         assert len({r["total_tokens"] for r in part["runs"]}) == 1
+        # one attention kernel for both (ours: sft_varlen on the CPU), so the trainers are compared, not kernels
+        assert [r["attention"] for r in part["runs"]] == ["sft_varlen", "sft_varlen"]
+        flops = part["model_flops"]
+        assert flops["tokens"] == part["runs"][0]["total_tokens"]
+        assert 0 < flops["head"] < flops["total"] and part["flops_per_token"] == flops["total"] / flops["tokens"]
         trl = part["runs"][1]
         assert trl["lora_dtypes"] == {"torch.float32": sum(trl["lora_dtypes_as_built_by_trl"].values())}
         assert part["medians"]["ours"]["mfu"] is None  # no peak figure for a CPU
