@@ -296,13 +296,31 @@ class World:
     # -- sharded (FSDP2) -----------------------------------------------------------
 
     def shard(self, model: Any) -> int:
-        """Shard ``model`` over the ranks with FSDP2: each decoder layer, then the rest; return the layers.
+        """Shard ``model`` over the ranks with FSDP2; return the number of decoder layers sharded.
+
+        Each decoder layer is its own FSDP unit (its base, LoRA weights and Adam moments
+        sharded), under one root on the decoder. The root matters: FSDP2 never reshards a
+        root after forward, so layers wrapped without one stayed whole on every rank after
+        any forward and after every no-grad eval; under a root every layer reshards after
+        its forward, the next layer is gathered ahead (forward prefetch) and the previous one
+        in backward. The decoder's own parameters (embeddings, final norm) and the LM head
+        stay whole on every rank (``ignored_params``): the recipe calls the decoder and the
+        head apart (chunked logits) and they may share a tied weight.
+
+        The model may come staged on the CPU (:func:`trainer.model.load_base_model` with
+        ``shardable`` on CUDA): each layer is then moved to this rank's device one at a time
+        and sharded, so no rank ever holds the whole model on its device. Before sharding,
+        every tensor (parameters, buffers and the bitsandbytes ``quant_state`` that is no
+        parameter) is broadcast from rank 0, so all ranks shard rank 0's bits
+        (what ``sync_module_states`` does for FSDP1), whatever each rank's own load produced.
 
         Call after LoRA is added and before the optimizer is built (its parameters
         become DTensors). Gradients are summed over ranks, not averaged.
 
         Raises:
-            LaunchError: not connected, or the model has no decoder layer list to shard.
+            LaunchError: not connected, the model has no decoder layer list to shard, a
+                trainable parameter lies outside the layers, or the ranks loaded different models.
+            PeerError: a rank died or did not answer during the broadcast.
         """
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -311,11 +329,10 @@ class World:
         if self._dist is None:
             raise LaunchError("fsdp: connect the ranks before sharding the model")
         parts = decoder_and_head(model)
-        layers = getattr(parts[0], "layers", None) if parts else None
+        decoder: Any = parts[0] if parts else None
+        layers = getattr(decoder, "layers", None)
         if not layers:
             raise LaunchError("fsdp: this model has no list of decoder layers to shard; train it without fsdp")
-        # The layers only: the recipe calls the decoder and the LM head apart (chunked logits) and
-        # they may share a tied weight, so embeddings, final norm and head stay whole on every rank.
         # They must be frozen: gradient clipping cannot mix sharded and whole gradients.
         inside = {id(p) for layer in layers for p in layer.parameters()}
         outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in inside]
@@ -323,14 +340,70 @@ class World:
             raise LaunchError(f"fsdp shards the decoder layers only, but {len(outside)} trainable parameters lie "
                               f"outside them ({outside[0]}, ...): leave lm_head and the embeddings out of "
                               "target_modules, or train without fsdp")
+        layer_modules = {id(m) for layer in layers for m in layer.modules()}
+        rest = [m for m in model.modules() if id(m) not in layer_modules]
+        self._place_and_sync(rest, recurse=False)
         for layer in layers:
+            self._place_and_sync([layer], recurse=True)  # one whole layer on the device at a time
             fully_shard(layer)
+        fully_shard(decoder, ignored_params={p for p in decoder.parameters() if id(p) not in inside})
+        for before, after in zip(layers, layers[1:], strict=False):
+            before.set_modules_to_forward_prefetch([after])
+            after.set_modules_to_backward_prefetch([before])
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
         self.sharded = True
         return len(layers)
+
+    def _place_and_sync(self, modules: list[Any], recurse: bool) -> None:
+        """Move ``modules``' parameters, buffers and 4-bit quant states to this rank's device, then
+        broadcast their bytes from rank 0 (one collective for all of them)."""
+        tensors = []
+        for module in modules:
+            for p in module.parameters(recurse=recurse):
+                if p.device != self._device:
+                    p.data = p.data.to(self._device)  # in place: a tied weight stays tied
+                tensors.append(p.data)
+            for owner in (module.modules() if recurse else [module]):
+                for name, b in list(owner._buffers.items()):
+                    if b is not None:
+                        owner._buffers[name] = b = b.to(self._device)
+                        tensors.append(b)
+                tensors.extend(_quant_state_tensors(owner, self._device))
+        self._broadcast_bytes(tensors)
+
+    def _broadcast_bytes(self, tensors: list[torch.Tensor]) -> None:
+        """Overwrite ``tensors`` (contiguous, on this rank's device) with rank 0's, as one byte buffer.
+
+        Raises:
+            LaunchError: the ranks' byte counts differ (they loaded different models).
+            PeerError: see :meth:`connect`.
+        """
+        import torch
+
+        # byte views of the tensors themselves (a non-contiguous one through a copy written back)
+        pairs = [(t, t.detach() if t.is_contiguous() else t.detach().contiguous()) for t in tensors if t.numel()]
+        parts = [flat.reshape(-1).view(torch.uint8) for _, flat in pairs]
+        size = sum(int(p.numel()) for p in parts)
+        if not self.all_equal(size):
+            raise LaunchError(f"fsdp: rank {self.rank} loaded another model than rank 0 ({size} bytes in one "
+                              "part); every rank must load the same base model")
+        if not parts or self.size == 1:
+            return
+        buffer = torch.cat(parts)
+        try:
+            self._dist.broadcast(buffer, src=0)
+        except (RuntimeError, ValueError) as e:
+            raise self._peer_error("model broadcast", e) from e
+        offset = 0
+        for part in parts:
+            part.copy_(buffer[offset : offset + part.numel()])  # a view of the tensor: written in place
+            offset += part.numel()
+        for tensor, flat in pairs:
+            if not tensor.is_contiguous():
+                tensor.detach().copy_(flat)
 
     @contextlib.contextmanager
     def collectives(self, what: str) -> Iterator[None]:
@@ -444,6 +517,22 @@ def _lost_peer(e: RuntimeError) -> bool:
         where, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
     text = str(e).lower()
     return "/torch/distributed/" in where.replace("\\", "/") and any(s in text for s in _LOST_PEER)
+
+
+def _quant_state_tensors(module: Any, device: Any) -> list[Any]:
+    """Move a bitsandbytes 4-bit module's quant state (absmax, code, nested statistics: no parameter,
+    so FSDP neither moves nor shards it) to ``device`` in place; return its tensors (none for others)."""
+    states = {id(s): s for s in (getattr(module, "quant_state", None),
+                                 getattr(getattr(module, "weight", None), "quant_state", None)) if s is not None}
+    tensors = []
+    for state in states.values():
+        if not hasattr(state, "absmax"):
+            continue  # not a bitsandbytes QuantState
+        state.to(device)
+        tensors += [state.absmax, state.code]
+        if getattr(state, "nested", False):
+            tensors += [state.offset, state.state2.absmax, state.state2.code]
+    return tensors
 
 
 def _trainable_names(model: Any) -> list[str]:
