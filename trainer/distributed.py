@@ -15,10 +15,14 @@ Sharded (``fsdp`` in the spec, :meth:`World.shard`): for a base model too
 large for one GPU, PyTorch's FSDP2 (``fully_shard``) shards every decoder
 layer's parameters, the 4-bit base included (packed as bfloat16 elements,
 ``bnb_4bit_quant_storage``, as HF's FSDP-QLoRA recipe does), and so its LoRA
-weights and Adam moments, over the ranks (embeddings, final norm and LM head
-stay whole: they are called apart and may share a tied weight); a layer's weights are gathered for
-its forward and backward and its LoRA gradients reduce-scattered (summed, not
-averaged: the loss is already divided by the step's tokens over all ranks).
+weights and Adam moments, over the ranks, under one root on the decoder
+(embeddings, final norm and LM head stay whole: they are called apart and may
+share a tied weight); a layer's weights are gathered for its forward (the next
+layer's prefetched) and freed after it, gathered again for its backward, and its
+LoRA gradients reduce-scattered (summed, not averaged: the loss is already
+divided by the step's tokens over all ranks). The model is loaded on the CPU
+(:func:`trainer.model.staging_device`) and moved to the GPU a layer at a time,
+rank 0's bits broadcast, so no rank holds the whole model on its GPU.
 Every rank must then run the same number of forward and backward passes, so a
 rank with fewer rows in a step or an eval runs padding passes weighted 0.
 Checkpoints gather the (small) LoRA weights and optimizer state to rank 0 and

@@ -141,21 +141,43 @@ def attention_implementation(device: str, max_seq_len: int) -> str:
 # ----------------------------------------------------------------- loading
 
 
+def compute_dtype(device: str) -> torch.dtype:
+    """The dtype the model computes in on ``device``: bfloat16 on CUDA (autocast), float32 on the CPU.
+
+    4-bit matmuls dequantize to it, and :func:`add_lora` keeps the frozen embeddings and
+    LM head in it.
+    """
+    import torch
+
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def staging_device(device: str, shardable: bool) -> str:
+    """Where :func:`load_base_model` puts the weights: the CPU for a shardable (FSDP) model on CUDA,
+    which :meth:`trainer.distributed.World.shard` then moves to the rank's GPU one layer at a time,
+    so no rank ever holds the whole model on its GPU; else ``device``."""
+    return "cpu" if shardable else device
+
+
 def load_base_model(path: str | Path, device: str | None = None, max_seq_len: int = 2048,
                     shardable: bool = False) -> Any:
-    """Load a base model in 4-bit NF4 (double quant) on ``device`` (default: CUDA when present).
+    """Load a base model in 4-bit NF4 (double quant) for ``device`` (default: CUDA when present).
 
     Chooses the attention implementation (:func:`attention_implementation`) and
     applies the bitsandbytes AVX512-BF16 workaround (see ``disable_cpu_repack``).
     ``shardable`` (FSDP): the packed 4-bit weights are stored as bfloat16 elements
-    (``bnb_4bit_quant_storage``), the same bits, so FSDP can shard them like any parameter.
+    (``bnb_4bit_quant_storage``), the same bits, so FSDP can shard them like any parameter,
+    and the model is loaded (and quantized) on the CPU even for CUDA (:func:`staging_device`),
+    in CUDA's compute dtype and attention; ``World.shard`` moves it layer by layer, each rank
+    keeping only its shards (every rank reads the files, as transformers' FSDP loading does
+    for a model it quantizes; rank 0's bits are then broadcast).
     """
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    cuda = device == "cuda"
-    compute = torch.bfloat16 if cuda else torch.float32
+    cuda = staging_device(device, shardable) == "cuda"
+    compute = compute_dtype(device)
     quant = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
@@ -174,7 +196,8 @@ def load_base_model(path: str | Path, device: str | None = None, max_seq_len: in
             raise
         log.info("%s refused (%s); loading with sdpa", attention, str(e).splitlines()[0][:200])
         model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", **load)
-    log.info("base model on %s, attention %s", device, model.config._attn_implementation)
+    log.info("base model on %s%s, attention %s", device, " (staged on the cpu)" if device == "cuda" and not cuda
+             else "", model.config._attn_implementation)
     disable_cpu_repack(model)
     return model
 
@@ -202,6 +225,11 @@ def add_lora(model: Any, hp: Hyperparameters, dropout: bool = True) -> Any:
     ``dropout=False`` (DPO, as TRL's ``disable_dropout``): the policy trains without any
     dropout, LoRA's and the base model's alike, so it is scored as the reference was (in
     eval mode, without dropout); ``hp.lora_dropout`` is then not used.
+
+    peft's k-bit preparation upcasts every non-4-bit weight to float32; the frozen embeddings
+    and LM head are then put back in the model's compute dtype (bfloat16 on CUDA,
+    :func:`cast_frozen_embeddings`): autocast caches no cast of a frozen weight, so a float32
+    head was cast again for every logit chunk and every recompute. LoRA weights stay float32.
     """
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -211,6 +239,9 @@ def add_lora(model: Any, hp: Hyperparameters, dropout: bool = True) -> Any:
         use_gradient_checkpointing=hp.gradient_checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False},
     )
+    compute = _loaded_compute_dtype(model)
+    if compute is not None and compute != torch.float32:
+        cast_frozen_embeddings(model, compute)
     torch.manual_seed(hp.seed)
     config = LoraConfig(
         r=hp.lora_r,
@@ -224,6 +255,31 @@ def add_lora(model: Any, hp: Hyperparameters, dropout: bool = True) -> Any:
     if not dropout:
         disable_dropout(model)
     return model
+
+
+def _loaded_compute_dtype(model: Any) -> torch.dtype | None:
+    """The compute dtype :func:`load_base_model` gave the 4-bit layers (None: no 4-bit layer)."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            return module.compute_dtype  # type: ignore[no-any-return]
+    return None
+
+
+def cast_frozen_embeddings(model: Any, dtype: torch.dtype) -> list[str]:
+    """Cast the frozen input embeddings and LM head of ``model`` to ``dtype`` in place (a tied
+    weight once, and still tied); trainable ones (and the norms) keep their dtype. Returns the
+    names of the weights cast."""
+    cast = []
+    named = {id(p): n for n, p in model.named_parameters()}
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        weight = getattr(module, "weight", None)
+        if weight is None or weight.requires_grad or weight.dtype == dtype:
+            continue
+        weight.data = weight.data.to(dtype)
+        cast.append(named.get(id(weight), "?"))
+    return cast
 
 
 def disable_dropout(model: Any) -> int:

@@ -173,3 +173,13 @@ def test_a_checkpoint_is_pinned_to_the_spec_not_to_its_layout_over_ranks() -> No
         assert checkpoint_hash(parse_spec(_spec(**layout))) == checkpoint_hash(plain), layout
     other = parse_spec(_spec(hyperparameters={"learning_rate": 1e-3}))
     assert checkpoint_hash(other) != checkpoint_hash(plain)
+
+
+def test_the_compute_dtype_is_bfloat16_on_cuda_only_and_fsdp_stages_on_the_cpu() -> None:
+    import torch
+
+    from trainer.model import compute_dtype, staging_device
+
+    assert compute_dtype("cuda") == torch.bfloat16 and compute_dtype("cpu") == torch.float32
+    assert staging_device("cuda", shardable=True) == "cpu"  # FSDP: World.shard moves each layer to the GPU
+    assert staging_device("cuda", shardable=False) == "cuda" and staging_device("cpu", shardable=True) == "cpu"
