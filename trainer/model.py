@@ -339,13 +339,14 @@ def _autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
 
 
 def _flash_kwargs(model: Any, row: Row, device: torch.device) -> dict[str, Any]:
-    """Example boundaries for the varlen kernels (flash-attention, ``sft_varlen``); empty for others."""
+    """Example boundaries for the varlen kernels (flash-attention, ``sft_varlen`` and its CPU emulation);
+    empty for others. ``max_length_*`` is a python int, so the kernels never read it back from the device."""
     import torch
 
     from trainer.attention import VARLEN
 
     implementation = str(getattr(model.config, "_attn_implementation", ""))
-    if not (implementation.startswith("flash_attention") or implementation == VARLEN):
+    if not (implementation.startswith("flash_attention") or implementation.startswith(VARLEN)):
         return {}
     bounds = sequence_bounds(row.position_ids)
     cu = torch.tensor(bounds, dtype=torch.int32, device=device)
