@@ -9,9 +9,11 @@ passed explicitly by callers)::
 The digest is ``sha256:<hex>`` over every file of the model directory
 (sorted relative paths, sizes and contents), so config, weights and tokenizer
 are pinned together: a tokenizer/base-model mismatch after a silent upgrade
-cannot load. ``add`` first loads the copy as the trainer does and refuses a
-model whose loss on a packed row differs from its loss unpacked
-(``trainer.packcheck``); a refused model leaves nothing in the catalog.
+cannot load. ``add`` refuses an architecture outside ``VERIFIED_FAMILIES`` and a
+tokenizer without a chat template, then loads the copy as the trainer does and refuses
+a model whose loss on a packed row, on any attention path the trainer may take, differs
+from its loss unpacked under eager attention (``trainer.packcheck``); a refused model
+leaves nothing in the catalog.
 No torch import at module level (``make_tiny`` and
 ``import_smollm2`` import the ML stack when called).
 """
@@ -36,10 +38,16 @@ from typing import Any
 
 from trainer.checkpoint import fsync_dir, write_atomic
 from trainer.errors import CatalogError, ModelDigestError
-from trainer.packcheck import check_packing
+from trainer.packcheck import check_packing, load_config
 from trainer.spec import DEFAULT_CATALOG_ROOT, NAME_PATTERN
 
 INDEX = "index.json"
+VERIFIED_FAMILIES = frozenset({
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "smollm3",
+})
+"""The ``model_type`` values ``add`` admits: those the architecture matrix
+(``tests/trainer/test_arch_matrix.py``) trains packed against eager attention, on every
+attention path. SmolLM2 is ``llama``; Gemma3 is its text model (``Gemma3ForCausalLM``)."""
 ModelCheck = Callable[[Path, str], dict[str, Any]]
 __all__ = [
     "DEFAULT_CATALOG_ROOT",
@@ -144,14 +152,64 @@ def _copy_tree(source: Path, target: Path) -> None:
         fsync_dir(directory)
 
 
+def check_family(config: Any, name: str) -> None:
+    """Refuse an architecture the matrix has not verified: guessing that packing, windows and
+    the attention paths work for it is how a model trains wrong without an error.
+
+    Raises:
+        CatalogError: ``config.model_type`` is not in ``VERIFIED_FAMILIES`` (names both).
+    """
+    model_type = getattr(config, "model_type", None)
+    if model_type not in VERIFIED_FAMILIES:
+        raise CatalogError(
+            f"model {name}: architecture {model_type!r} is not verified for packed training here "
+            f"(verified: {', '.join(sorted(VERIFIED_FAMILIES))}); it is refused rather than guessed - "
+            "pick a model of a verified family, or verify this one in tests/trainer/test_arch_matrix.py first"
+        )
+
+
+def check_chat_template(path: str | Path, name: str) -> None:
+    """Refuse a model whose tokenizer has no chat template: the trainer renders every
+    conversation with it, so no job could tokenize its data.
+
+    Raises:
+        CatalogError: the tokenizer has none (or cannot be read).
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        template = AutoTokenizer.from_pretrained(path).chat_template
+    except Exception as e:  # noqa: BLE001 - an unreadable tokenizer cannot serve a job either
+        raise CatalogError(f"model {name}: its tokenizer cannot be read ({type(e).__name__}: {e})") from e
+    if not template:
+        raise CatalogError(
+            f"model {name}: its tokenizer has no chat template, so no chat or preference data can be "
+            "rendered for it; set tokenizer.chat_template (with {% generation %} marks around the "
+            "assistant's output) and save it with the model, then add it again"
+        )
+
+
+def check_model(path: Path, name: str) -> dict[str, Any]:
+    """The check ``add`` runs by default: a verified family, a chat template, then the packed-loss
+    check against eager attention (``trainer.packcheck.check_packing``), whose record it returns.
+
+    Raises:
+        CatalogError: naming the reason the model is refused.
+    """
+    check_family(load_config(path, name), name)
+    check_chat_template(path, name)
+    return check_packing(path, name)
+
+
 def add(
-    path: str | Path, name: str, root: str | Path, *, check: ModelCheck | None = check_packing
+    path: str | Path, name: str, root: str | Path, *, check: ModelCheck | None = check_model
 ) -> CatalogEntry:
     """Copy the model directory ``path`` into the catalog as ``name`` and register it.
 
-    ``check`` runs on the copy before the entry becomes visible (default: the
-    packed-loss check, whose record lands in ``packing_check``); ``None`` skips
-    it (catalog mechanics tested on fake model directories).
+    ``check`` runs on the copy before the entry becomes visible (default:
+    :func:`check_model`: a verified family, a chat template, and the packed-loss check,
+    whose record lands in ``packing_check``); ``None`` skips it (catalog mechanics
+    tested on fake model directories).
     Returns the entry (the existing one when this exact digest is already there).
     Raises:
         CatalogError: bad name, unreadable source, the copy does not match, or

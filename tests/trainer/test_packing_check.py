@@ -1,8 +1,12 @@
-"""`models add` refuses a model whose packed loss differs from its unpacked loss.
+"""`models add` refuses a model whose packed loss differs from its unpacked loss under eager attention.
 
 The refused architecture is a real one: OPT in transformers 5.24 reads
 ``position_ids`` for its learned position embeddings but builds its causal mask
-without them, so packed examples attend to the examples before them.
+without them, so packed examples attend to the examples before them (and OPT is
+not a verified family, so `models add` refuses it before it is even loaded).
+A sliding-window model (a tiny Mistral, window 8) is checked on probes longer
+than its window, on every attention path, and an attention that drops the
+window (as ``sft_varlen`` did) is refused.
 """
 
 from __future__ import annotations
@@ -58,11 +62,25 @@ def test_probe_rows_score_one_example_each() -> None:
 def test_compare_refuses_a_difference_beyond_the_dtype_tolerance() -> None:
     assert packcheck.compare("m", [3.0, 3.0], [3.0, 3.0004], "float32") == pytest.approx(4e-4)
     assert packcheck.compare("m", [3.0], [3.03], "bfloat16") == pytest.approx(0.03)
-    with pytest.raises(CatalogError, match=r"ignores packed-sequence boundaries: on probe example 2 of 2 "
-                       r"the packed loss 3\.2100 != unpacked 3\.0500 .*tolerance 0\.001 for float32"):
+    with pytest.raises(CatalogError, match=r"does not train packed as it scores unpacked: on probe example 2 of 2 "
+                       r"the packed loss 3\.2100 != unpacked 3\.0500 under eager attention .*tolerance 0\.001 "
+                       r"for float32 .*ignores packed-sequence boundaries"):
         packcheck.compare("m", [3.0, 3.05], [3.0, 3.21], "float32")
     with pytest.raises(CatalogError, match="not finite"):
         packcheck.compare("m", [math.nan], [math.nan], "float32")
+
+
+@pytest.mark.unit
+def test_probes_are_longer_than_the_window() -> None:
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    assert packcheck.sliding_window(LlamaConfig()) is None
+    assert packcheck.sliding_window(MistralConfig(sliding_window=8)) == 8
+    assert packcheck.sliding_window(Qwen2Config(sliding_window=8)) is None           # use_sliding_window off
+    assert packcheck.sliding_window(Gemma2Config(sliding_window=8)) == 8
+    assert packcheck.sliding_window(Gemma2Config(sliding_window=8, layer_types=["full_attention"] * 26)) is None
+    assert packcheck.probe_lengths(None) == (16, 12) and packcheck.probe_lengths(4096) == (4104, 12)
+    assert [len(e) for e in packcheck.probe_examples(range(10, 50), window=30)] == [38, 12, 38]
 
 
 @pytest.mark.train
@@ -71,20 +89,69 @@ def test_tiny_llama_passes_and_the_entry_records_the_check(tiny: Tiny, tmp_path:
     check = entry.packing_check
     assert check is not None and check["passed"] and check["quantization"] == "nf4"
     assert check["max_abs_diff"] < check["tolerance"] == 1e-3 and check["compute_dtype"] == "float32"
+    assert check["attention"] == ["sdpa", "sft_varlen", "sft_varlen_emulated"]
+    assert check["reference"].startswith("eager")
+    assert check["sliding_window"] is None and check["probe_lengths"] == [16, 12]
     assert list_models(tmp_path / "models")[0].packing_check == check
 
 
 @pytest.mark.train
-def test_opt_ignores_packed_boundaries_and_leaves_nothing_in_the_catalog(tiny: Tiny, tmp_path: Path) -> None:
+def test_opt_is_refused_as_unverified_and_leaves_nothing_in_the_catalog(tiny: Tiny, tmp_path: Path) -> None:
     from trainer.cli import models
 
     opt = _tiny_opt(tiny, tmp_path / "opt")
     root = tmp_path / "models"
     res = CliRunner().invoke(models, ["add", str(opt), "--name", "opt", "--root", str(root)])
     assert res.exit_code == 1
-    assert "error: model opt (attention sdpa) ignores packed-sequence boundaries: on probe example 2 of 3" in res.output
-    assert "cannot be trained with padding-free packing" in res.output
+    assert "error: model opt: architecture 'opt' is not verified for packed training here (verified: " in res.output
+    assert ("gemma, gemma2, gemma3_text, llama, mistral, olmo2, phi3, qwen2, qwen3, smollm3); it is refused "
+            "rather than guessed") in res.output
     assert list_models(root) == [] and sorted(p.name for p in root.iterdir()) == [".lock"]
+
+
+@pytest.mark.train
+def test_the_check_itself_sees_that_opt_ignores_packed_boundaries(tiny: Tiny, tmp_path: Path) -> None:
+    with pytest.raises(CatalogError, match=r"model opt \(attention sdpa\) does not train packed as it scores "
+                       r"unpacked: on probe example 2 of 3 .*cannot be trained with padding-free packing"):
+        packcheck.check_packing(_tiny_opt(tiny, tmp_path / "opt"), "opt")
+
+
+def _tiny_mistral(tiny: Tiny, out: Path) -> Path:
+    from test_arch_matrix import build_family
+
+    return build_family("mistral", tiny.path, out)
+
+
+@pytest.mark.train
+def test_a_sliding_window_model_is_checked_beyond_its_window(tiny: Tiny, tmp_path: Path) -> None:
+    check = add(_tiny_mistral(tiny, tmp_path / "mistral"), "mistral", tmp_path / "models").packing_check
+    assert check is not None and check["sliding_window"] == 8 and check["probe_lengths"] == [16, 12]
+    assert sorted(check["diffs"]) == check["attention"] == ["sdpa", "sft_varlen", "sft_varlen_emulated"]
+    assert check["max_abs_diff"] < 1e-4
+
+
+@pytest.mark.train
+def test_an_attention_that_drops_the_window_is_refused(tiny: Tiny, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """sft_varlen as it was: the ``sliding_window`` transformers passes is dropped."""
+    from typing import Any
+
+    from trainer import attention
+
+    real = attention.varlen_attention_forward
+
+    def windowless(*args: Any, sliding_window: int | None = None, **kwargs: Any) -> Any:
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "varlen_attention_forward", windowless)
+    try:
+        with pytest.raises(CatalogError, match=r"model mistral \(attention sft_varlen\) does not train packed as "
+                           r"it scores unpacked: on probe example 1 of 3"):
+            packcheck.check_packing(_tiny_mistral(tiny, tmp_path / "mistral"), "mistral")
+    finally:
+        monkeypatch.undo()
+        attention.register()
+        attention.register_emulated()
 
 
 @pytest.mark.train
