@@ -196,12 +196,38 @@ def _spans_by_prefix(
     return spans
 
 
+def model_label(tokenizer: ChatTokenizer) -> str:
+    """The base model a tokenizer was loaded from: ``<name> (sha256:<12 hex>...)`` for a catalog
+    copy (``<root>/<name>/<hex digest>``), else its path."""
+    where = Path(str(getattr(tokenizer, "name_or_path", "") or "?"))
+    if re.fullmatch(r"[0-9a-f]{64}", where.name):
+        return f"{where.parent.name} (sha256:{where.name[:12]}...)"
+    return str(where)
+
+
+def require_chat_template(tokenizer: ChatTokenizer) -> None:
+    """Refuse a tokenizer without a chat template before rendering with it (transformers would
+    raise a ValueError, which the trainer reports as an internal error).
+
+    Raises:
+        DatasetError: a user error naming the model (``models add`` now refuses such a model;
+            a job meets one only through an older catalog entry).
+    """
+    if not tokenizer.chat_template:
+        raise DatasetError(
+            f"base model {model_label(tokenizer)} has no chat template, so its tokenizer cannot render "
+            "chat or preference data; pick a base model with one (ask the operator to register this "
+            "model again with a template)"
+        )
+
+
 def tokenize_conversation(tokenizer: ChatTokenizer, conversation: Conversation, what: str) -> Example:
     """Tokenize with the base model's chat template; mask = trained assistant tokens.
 
     Raises:
-        DatasetError: the template cannot be rendered for this line.
+        DatasetError: the model has no chat template, or it cannot be rendered for this line.
     """
+    require_chat_template(tokenizer)
     where = f"{what} dataset line {conversation.line}"
     messages = conversation.messages
     if has_generation_marks(tokenizer):

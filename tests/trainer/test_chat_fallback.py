@@ -1,11 +1,13 @@
-"""The loss mask built by rendering prefixes (templates without {% generation %} marks)."""
+"""The loss mask built by rendering prefixes (templates without {% generation %} marks); no template at all
+is refused at `models add` and fails a job as a user error naming the model."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
-from trainer_testlib import Tiny
+from trainer_testlib import Tiny, ToyData, events, make_spec, run_trainer, write_spec
 
 from trainer.catalog import CHATML_TEMPLATE
 from trainer.data import Conversation, has_generation_marks, tokenize_conversation
@@ -72,3 +74,49 @@ def test_drift_at_the_start_of_the_span_is_refused() -> None:
     with pytest.raises(DatasetError, match=r"train dataset line 7: tokenization drifts at the start of "
                        r"assistant message 1: .*needs \{% generation %\} marks"):
         tokenize_conversation(tokenizer, CONV, "train")
+
+
+def _without_template(tiny: Tiny, out: Path) -> Path:
+    """A copy of the tiny model whose tokenizer has no chat template (as some base checkpoints ship)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    shutil.copytree(tiny.path, out)
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(out)
+    assert AutoTokenizer.from_pretrained(out).chat_template is None
+    return out
+
+
+def test_models_add_refuses_a_tokenizer_without_a_chat_template(tiny: Tiny, tmp_path: Path) -> None:
+    from trainer.catalog import add, list_models
+    from trainer.errors import CatalogError
+
+    source = _without_template(tiny, tmp_path / "plain")
+    with pytest.raises(CatalogError, match=r"model plain: its tokenizer has no chat template"):
+        add(source, "plain", tmp_path / "models")
+    assert list_models(tmp_path / "models") == []
+
+
+@pytest.mark.train
+def test_a_job_meeting_a_model_without_a_chat_template_fails_as_a_user_error(
+    tiny: Tiny, toy: ToyData, tmp_path: Path
+) -> None:
+    from trainer import exitcodes
+    from trainer.catalog import add
+
+    root = tmp_path / "models"
+    entry = add(_without_template(tiny, tmp_path / "plain"), "plain", root, check=None)  # an entry from before the rule
+    model = Tiny(root, entry.name, entry.digest, root / entry.path)
+    spec = make_spec(model, toy, tmp_path / "job")
+    rc = run_trainer(write_spec(spec, tmp_path / "spec.json"), tmp_path / "log")
+    log = (tmp_path / "log").read_text()
+    failed = [e for e in events(tmp_path / "job") if e["type"] == "failed"]
+    assert rc == exitcodes.USER_ERROR, log[-2000:]
+    assert len(failed) == 1 and failed[0]["reason"] == "user_error" and failed[0]["error"] == "DatasetError"
+    assert f"base model plain (sha256:{entry.digest.removeprefix('sha256:')[:12]}...) has no chat template" in (
+        failed[0]["message"])
+    assert "message withheld" not in log
