@@ -115,10 +115,14 @@ def resolve_device(requested: str) -> str:
 
 
 def attention_implementation(device: str, max_seq_len: int) -> str:
-    """Return the ``attn_implementation`` to load with (see the module docstring for each)."""
+    """Return the ``attn_implementation`` to load with (see the module docstring for each), and log
+    why ("attention X: reason", at job start). Every one honours sliding windows; soft-capping
+    and sinks are honoured by ``sft_varlen`` per example (``trainer.attention``), and the
+    architectures ``models add`` admits are checked against eager on each (``trainer.packcheck``)."""
     from trainer import attention
 
     if device != "cuda":
+        log.info("attention %s: on the CPU, one SDPA per packed example", attention.VARLEN)
         return attention.register()
     import torch
     from transformers.utils import is_flash_attn_2_available
@@ -129,9 +133,13 @@ def attention_implementation(device: str, max_seq_len: int) -> str:
         except (ImportError, OSError) as e:
             log.warning("flash_attn is installed but does not import (%s)", type(e).__name__)
         else:
+            log.info("attention flash_attention_2: flash_attn imports and the GPU is Ampere or newer")
             return "flash_attention_2"
     if attention.cuda_varlen_available():
+        log.info("attention %s: no usable flash_attn; torch's varlen kernel over the packed examples",
+                 attention.VARLEN)
         return attention.register()
+    log.info("attention sdpa: no varlen kernel on this GPU (needs Ampere or newer); a dense block-diagonal mask")
     if max_seq_len > DENSE_MASK_LIMIT:
         log.warning("no varlen attention on this GPU: sdpa builds a dense %d x %d mask per row (%d MiB)",
                     max_seq_len, max_seq_len, max_seq_len**2 >> 20)

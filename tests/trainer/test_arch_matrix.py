@@ -164,7 +164,7 @@ def dpo_step_unpacked(model: Any, sides: list[Any], reference: Any, beta: float)
     policy = torch.cat([row_logps(model, build_row([side])) for side in sides]).view(-1, 2)
     loss, _ = dpo_terms(policy, reference, beta)
     loss.mean().backward()
-    return float(loss.mean()), _grads(model)
+    return float(loss.mean().detach()), _grads(model)
 
 
 def worst(loss: float, grads: dict[str, Any], ref_loss: float, ref_grads: dict[str, Any]) -> tuple[float, float]:
@@ -260,6 +260,27 @@ def test_packed_steps_match_eager_unpacked(families: Callable[[str], Family], mo
         assert loss <= RTOL and grad <= RTOL, (
             f"{model_type} on {implementation}: packed {step} differs from eager unpacked "
             f"(relative loss {loss:.2e}, worst LoRA gradient {grad:.2e} > {RTOL})")
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_the_trainers_loss_is_the_models_own(families: Callable[[str], Family], model_type: str) -> None:
+    """``row_loss`` (decoder + head at trained positions for ``_PLAIN_HEAD`` families, the model's own
+    forward with ``logits_to_keep`` for the others, e.g. Gemma2/3's final soft-capping) against the
+    cross-entropy of the model's full forward: the references above are right, not only alike."""
+    import torch
+    import torch.nn.functional as F
+
+    from trainer.model import row_loss
+    from trainer.packing import IGNORE
+
+    family = families(model_type)
+    with attention(family.model, "eager"), torch.no_grad():
+        for row in family.alone:
+            ours, _, _ = row_loss(family.model, row)
+            keep = [i for i, t in enumerate(row.targets) if t != IGNORE]
+            logits = family.model(input_ids=torch.tensor([row.input_ids]), use_cache=False).logits[0, keep]
+            theirs = F.cross_entropy(logits.float(), torch.tensor([row.targets[i] for i in keep]), reduction="sum")
+            assert float(ours) == pytest.approx(float(theirs), rel=1e-6)
 
 
 @pytest.mark.gpu
