@@ -246,7 +246,7 @@ def throughput(job: dict[str, Any], name: str, run: Runner, repeats: int, flops:
     for who, m in summary["medians"].items():
         m["mfu"] = mfu(per_token, m["tokens_per_s"], flops)
         print(f"MFU {who}: " + (f"{m['mfu']:.1%}" if m["mfu"] is not None else "n/a (no peak figure)")
-              + f" ({per_token / 1e9:.2f} GFLOP per token of the data)")
+              + f" ({per_token:.3e} model FLOPs per token of the data)")
     out: dict[str, Any] = {"params": built["params"], "shape": job["shapes"][name], "memory": memory,
                            "step_tokens": job["step_tokens"], "model_flops": model_flops,
                            "flops_per_token": per_token, "runs": results, **summary}

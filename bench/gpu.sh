@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, within 8 minutes on a machine with an NVIDIA GPU (bench/README.md):
-# bitsandbytes NF4 on CUDA, ours vs TRL-best tokens/s / peak CUDA memory / MFU on a ~1B Llama shape
-# and an 8B-shaped slice, the GPU wipe's canary test with a negative control. One JSON line last.
+# bitsandbytes NF4 on CUDA, the FSDP-QLoRA smoke, ours vs TRL-best tokens/s / peak CUDA memory / MFU
+# on a ~1B Llama shape and an 8B-shaped slice (TRL on our attention kernel, tokens counted from the
+# data, MFU from model FLOPs: bench/gpu.py training_flops), the GPU wipe's canary test with a
+# negative control. One JSON line last.
 #
 #   bench/gpu.sh [--dry] [bench/gpu.py options]      SFT_GPU_DRY=1 is the same as --dry
 #
