@@ -1,4 +1,4 @@
-"""One rank of the FSDP residency probe: ``python fsdp_probe.py MODEL_DIR OUT.json``.
+"""One rank of the FSDP residency probe: ``python fsdp_probe.py MODEL_DIR OUT_DIR`` (writes OUT_DIR/rank<r>.json).
 
 Run as every rank of a world (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT, or srun's
 SLURM_* names). It builds the model as the recipe does (4-bit, shardable, LoRA, then
@@ -13,10 +13,30 @@ trainer, so the probe runs unchanged against an older trainer (PYTHONPATH) to sh
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+
+def deep_tiny(tiny: Path, out: Path, layers: int) -> Path:
+    """The tiny Llama at ``tiny`` (tokenizer and shapes) with ``layers`` decoder layers and a tied
+    head, random (seed 0), saved to ``out``: enough layers that 1/N of the decoder plus one layer
+    is well under the whole decoder."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny)
+    config.num_hidden_layers, config.tie_word_embeddings = layers, True
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (tiny / name).exists():
+            shutil.copy(tiny / name, out / name)
+    return out
 
 
 def layer_bytes(model: Any) -> dict[str, int]:
@@ -86,6 +106,7 @@ def main(model_dir: str, out: str) -> None:
         _zero_own_model(model)
     world.shard(model)
     figures: dict[str, Any] = {"rank": world.rank, "size": world.size, "whole_loss": whole_loss,
+                               "node": os.environ.get("SLURMD_NODENAME"),
                                "after_shard": layer_bytes(model)}
     model.train()
     loss, _, _ = row_loss(model, row)
@@ -97,7 +118,7 @@ def main(model_dir: str, out: str) -> None:
     figures["after_eval"] = layer_bytes(model)
     figures["eval_loss"] = total
     figures["seconds"] = time.monotonic() - t0
-    Path(out).write_text(json.dumps(figures), encoding="utf-8")
+    (Path(out) / f"rank{world.rank}.json").write_text(json.dumps(figures), encoding="utf-8")
     world.barrier()
     world.close()
 

@@ -103,11 +103,11 @@ def test_the_cuda_cast_makes_the_frozen_head_bfloat16_and_the_model_still_trains
 
 def test_a_tied_head_stays_tied_when_cast(tiny: Tiny, tmp_path: Any) -> None:
     import torch
-    from test_fsdp_residency import deep_tiny
+    from fsdp_probe import deep_tiny
 
     from trainer.model import cast_frozen_embeddings
 
-    tied = Tiny(tiny.root, tiny.name, tiny.digest, deep_tiny(tiny, tmp_path / "tied", layers=2))
+    tied = Tiny(tiny.root, tiny.name, tiny.digest, deep_tiny(tiny.path, tmp_path / "tied", 2))
     model = _lora(tied)
     cast = cast_frozen_embeddings(model, torch.bfloat16)
     assert len(cast) == 1

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fsdp_probe import deep_tiny
 from test_trainer_distributed import _free_port
 from trainer_testlib import REPO, Tiny, trainer_env
 
@@ -26,23 +27,6 @@ pytestmark = pytest.mark.train
 LAYERS = 8
 RANKS = 2
 PROBE = Path(__file__).with_name("fsdp_probe.py")
-
-
-def deep_tiny(tiny: Tiny, out: Path, layers: int = LAYERS) -> Path:
-    """The tiny Llama's tokenizer and shapes with ``layers`` decoder layers and a tied head, random (seed 0)."""
-    import shutil
-
-    import torch
-    from transformers import AutoConfig, LlamaForCausalLM
-
-    config = AutoConfig.from_pretrained(tiny.path)
-    config.num_hidden_layers, config.tie_word_embeddings = layers, True
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (tiny.path / name).exists():
-            shutil.copy(tiny.path / name, out / name)
-    return out
 
 
 def run_probe(model_dir: Path, tmp: Path, pythonpath: str | None = None) -> list[dict[str, Any]]:
@@ -54,7 +38,7 @@ def run_probe(model_dir: Path, tmp: Path, pythonpath: str | None = None) -> list
                                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "SFT_DIST_TIMEOUT_S": "60",
                                  **({"PYTHONPATH": pythonpath} if pythonpath else {})})
         log = open(tmp / f"probe{rank}.log", "wb")  # noqa: SIM115 - closed with the process
-        procs.append(subprocess.Popen([sys.executable, str(PROBE), str(model_dir), str(tmp / f"rank{rank}.json")],
+        procs.append(subprocess.Popen([sys.executable, str(PROBE), str(model_dir), str(tmp)],
                                       cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
     codes = [p.wait(timeout=240) for p in procs]
     logs = "\n".join((tmp / f"probe{r}.log").read_text()[-3000:] for r in range(RANKS))
@@ -65,7 +49,7 @@ def run_probe(model_dir: Path, tmp: Path, pythonpath: str | None = None) -> list
 @pytest.fixture(scope="module")
 def figures(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("fsdp-residency")
-    model = deep_tiny(tiny, tmp / "model")
+    model = deep_tiny(tiny.path, tmp / "model", LAYERS)
     t0 = time.monotonic()
     out = run_probe(model, tmp)
     print(f"\nFSDP residency probe, {RANKS} ranks x {LAYERS} layers: {time.monotonic() - t0:.1f} s")
