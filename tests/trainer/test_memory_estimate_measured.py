@@ -1,0 +1,86 @@
+"""trainer.memory's estimate against measured peaks: the tiny model and SmolLM2, supervised and DPO,
+one real step each in a fresh process (memory_probe.py), within 25 %.
+
+What is compared: the estimate less its runtime term (``MemoryEstimate.step``) with the probe's
+``step_peak``: the peak anonymous memory of the step's process over what it held once the trainer
+stack was imported, file pages (the mapped checkpoint, shared libraries) left out; the estimate
+is evaluated for the step's longest row and its trained positions. The runtime term itself is
+checked apart (the probe's ``runtime``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from trainer_testlib import Tiny
+
+pytestmark = pytest.mark.train
+PROBE = Path(__file__).with_name("memory_probe.py")
+ROOT = Path(__file__).resolve().parents[2]
+SYSTEM_CATALOG = Path("/srv/slurm-finetune/models")
+BOUND = 0.25
+ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+"""glibc with a fixed mmap threshold, as jobs run: with the default dynamic one, every freed
+per-layer temporary stays on the heap and a SmolLM2 step's RSS is ~10x its tensors."""
+
+
+def _smollm2() -> tuple[Path, str, str] | None:
+    try:
+        index = json.loads((SYSTEM_CATALOG / "index.json").read_text())
+    except (OSError, ValueError):
+        return None
+    entry = next((m for m in index.get("models", []) if m["name"].startswith("smollm2")), None)
+    return (SYSTEM_CATALOG, entry["name"], entry["digest"]) if entry else None
+
+
+def _probe(root: Path, name: str, digest: str, method: str, tmp: Path, heavy: bool) -> dict[str, Any]:
+    from trainer.data import sha256_file
+    from trainer.toydata import toy_conversations, toy_preferences, write_jsonl
+
+    rows = toy_preferences(60, seed=1) if method == "dpo" else toy_conversations(60, seed=1)
+    train = write_jsonl(tmp / "train.jsonl", rows)
+    spec = {"base_model": {"name": name, "digest": digest, "catalog_root": str(root)},
+            "train": {"path": str(train), "sha256": sha256_file(train)}, "job_dir": str(tmp / "job"),
+            "device": "cpu", "hyperparameters": {"max_steps": 1},
+            **({"method": "dpo"} if method == "dpo" else {})}
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    argv = [sys.executable, str(PROBE), str(tmp / "spec.json")]
+    if heavy:  # SmolLM2 runs do not overlap other heavy runs on the shared host
+        argv = ["flock", "/var/tmp/heavy.lock", *argv]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests' / 'trainer'}",
+           **ALLOCATOR}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.parametrize("method", ["supervised", "dpo"])
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+def test_estimate_within_25_percent_of_the_measured_step_peak(tiny: Tiny, model: str, method: str,
+                                                              tmp_path: Path) -> None:
+    from trainer.catalog import model_dir
+    from trainer.memory import CPU_RUNTIME_BYTES, MIB, estimate, read_shape
+
+    if model == "tiny":
+        root, name, digest = tiny.root, tiny.name, tiny.digest
+    else:
+        found = _smollm2()
+        if found is None:
+            pytest.skip(f"SmolLM2 is not registered in {SYSTEM_CATALOG}")
+        root, name, digest = found
+    measured = _probe(root, name, digest, method, tmp_path, heavy=model != "tiny")
+    tokens, trained, _ = max(measured["rows"])
+    shape = read_shape(model_dir(root, name, digest))
+    est = estimate(shape, max_seq_len=2048, method=method, device="cpu", row_tokens=tokens, trained=trained,
+                   lora_dropout=0.0 if method == "dpo" else 0.05)
+    error = (est.step / MIB - measured["step_peak"]) / measured["step_peak"]
+    print(f"\n{model} {method}: row {tokens} tokens ({trained} trained): estimate {est.step / MIB:.0f} MiB, "
+          f"measured {measured['step_peak']:.0f} MiB ({100 * error:+.1f} %); runtime {measured['runtime']:.0f} MiB")
+    assert abs(error) <= BOUND, (est, measured)
+    assert abs(measured["runtime"] * MIB - CPU_RUNTIME_BYTES) <= BOUND * CPU_RUNTIME_BYTES, measured
