@@ -61,7 +61,13 @@ class Settings(BaseSettings):
     max_gpus_per_node: int = 8
     max_nodes_per_job: int = 16
     parallel_efficiency: float = 0.8             # the estimate's speed-up per extra rank
-    job_mem_mb: int = 8192
+    job_mem_mb: int = 8192                       # per rank (--mem is this x the ranks of a node)
+    # Memory of one GPU, in GiB, by partition name ("default": the partition jobs go to when
+    # slurm_partition is unset), e.g. SFT_GPU_MEMORY_GIB='{"a100": 80, "default": 24}'. Admission
+    # refuses a job whose estimated per-GPU peak (trainer.memory) is over it. A partition not
+    # listed is taken to train on the CPU (the dev cluster: its GPUs are gres entries, not devices)
+    # unless job_device is "cuda", and the estimate is held against job_mem_mb instead.
+    gpu_memory_gib: dict[str, float] = {}
     signal_grace_s: int = 90
     # detectors (gateway.jobs.detectors): a job silent for stall_factor x its median step time, at least
     # stall_min_s, is warned about; stall_requeue_s later still silent, it is requeued from its checkpoint

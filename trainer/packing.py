@@ -94,6 +94,29 @@ def plan(lengths: list[int], capacity: int, seed: int, epochs: int) -> list[list
     return [pack(lengths, epoch_order(len(lengths), seed, e), capacity) for e in range(epochs)]
 
 
+def rows_per_step(steps: list[list[int]], lengths: list[int], capacity: int) -> list[int]:
+    """Return how many micro-batch rows of at most ``capacity`` tokens each step of ``steps`` (unit
+    indices into ``lengths``) packs into: what :func:`micro_batches` (and DPO's ``pair_rows``) make."""
+    return [len(pack([lengths[i] for i in step], list(range(len(step))), capacity)) for step in steps]
+
+
+def idle_ranks(rows: list[int], world_size: int) -> str | None:
+    """A warning when some steps have fewer rows than ranks (``rows``: :func:`rows_per_step`), else None.
+
+    A step's rows are dealt out ``rows[rank::world_size]``, so in such a step the ranks past its
+    last row only wait. The plan is not widened here: steps must not depend on the world size (a
+    checkpoint resumes on any number of ranks, ``trainer.spec.checkpoint_hash``), so the gateway
+    widens the default ``batch_size_tokens`` at create, recorded in the spec, or refuses an explicit
+    one; what is left (a short last step of an epoch, examples that pack unevenly) is warned about.
+    """
+    short = [n for n in rows if n < world_size]
+    if world_size <= 1 or not short:
+        return None
+    return (f"{len(short)} of {len(rows)} steps have fewer rows than the {world_size} ranks (fewest: "
+            f"{min(short)}): the ranks without a row wait in those steps; a batch_size_tokens of at least "
+            f"{world_size} x the row length keeps every rank busy")
+
+
 def build_row(examples: list[Example]) -> Row:
     """Concatenate ``examples`` into one padding-free row with per-example positions."""
     ids: list[int] = []

@@ -77,7 +77,7 @@ from trainer.model import (
     lr_lambda,
     resolve_device,
 )
-from trainer.packing import Row, micro_batches, plan
+from trainer.packing import Row, idle_ranks, micro_batches, plan, rows_per_step
 from trainer.spec import JobSpec, checkpoint_hash, spec_hash
 
 log = logging.getLogger("trainer")
@@ -233,6 +233,12 @@ class Recipe:
             len(self.val_examples),
             self.total_steps,
         )
+        if self.world.size > 1 and self.world.is_main:  # dealt rows[rank::size]: fewer rows than ranks idle some
+            capacity = (2 if self.preference else 1) * self.hp.max_seq_len
+            idle = idle_ranks(rows_per_step([s for _, s in self.steps[: self.total_steps]],
+                                            [len(e) for e in self.train_examples], capacity), self.world.size)
+            if idle is not None:
+                log.warning("idle ranks: %s", idle)
         base = load_base_model(model_path, self.device, self.hp.max_seq_len, shardable=self.spec.fsdp)
         self.model = add_lora(base, self.hp, dropout=not self.preference)  # DPO: no dropout, as TRL
         if self.spec.fsdp:

@@ -31,6 +31,7 @@ from gateway.storage import layout
 
 if TYPE_CHECKING:
     from trainer.catalog import CatalogEntry
+    from trainer.memory import MemoryEstimate, ModelShape
 
 class Submit(Protocol):
     """``submit(job, spec, tenant) -> (scheduler job id, qos)``: ``jobs.submission.Submitter``."""
@@ -361,6 +362,116 @@ def estimate(settings: Settings, train: DataFile, epochs: int, gpus: int = 1) ->
     return training_tokens, max(5, math.ceil(1.5 * seconds / 60))
 
 
+@dataclass(frozen=True)
+class MemoryCheck:
+    """A job's estimated per-rank peak (``trainer.memory``) against what one of its ranks has: the
+    partition's GPU memory (``Settings.gpu_memory_gib``), or on a CPU partition the job's memory
+    limit per rank (``job_mem_mb``); ``limit`` None: not known (a CUDA site that lists no GPU memory)."""
+
+    estimate: MemoryEstimate
+    limit: int | None
+    partition: str
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the estimate is within the limit (None: no limit known)."""
+        return None if self.limit is None else self.estimate.total <= self.limit
+
+    def refusal(self) -> str:
+        """What create says when it does not fit: the figures and what would make it fit."""
+        from trainer.memory import GIB
+
+        est = self.estimate
+        need, have = est.total / GIB, (self.limit or 0) / GIB
+        where = (f"partition {self.partition}'s GPUs have {have:.1f} GiB" if est.device == "cuda"
+                 else f"partition {self.partition} trains on the CPU and a rank's memory limit is {have:.1f} GiB")
+        return (f"this job needs ~{need:.1f} GiB per {'GPU' if est.device == 'cuda' else 'rank'} (estimate: "
+                f"weights {est.weights / GIB:.1f}, activations {est.activations / GIB:.1f}, logits "
+                f"{est.logits / GIB:.1f} GiB), {where}: lower hyperparameters.max_seq_len, "
+                "or shard the model over more GPUs (resources.fsdp)")
+
+    def as_dict(self) -> dict[str, Any]:
+        """The estimate's ``memory`` object: per-rank figure, limit, fits, and the breakdown in GiB."""
+        from trainer.memory import GIB
+
+        return {"per_gpu_gib": self.estimate.gib(), "limit_gib": round(self.limit / GIB, 2) if self.limit else None,
+                "fits": self.fits, "partition": self.partition, "device": self.estimate.device,
+                "breakdown": self.estimate.as_dict()}
+
+
+def memory_limit(settings: Settings) -> tuple[str, str, int | None]:
+    """``(partition, device, bytes a rank has)`` for the partition jobs go to: its GPUs' memory when
+    ``gpu_memory_gib`` lists it (or ``job_device`` is "cuda": unknown, None), else the CPU and
+    ``job_mem_mb`` (the dev cluster: its GPUs are gres entries, and the trainer falls back to the CPU)."""
+    partition = settings.slurm_partition or "default"
+    gib = settings.gpu_memory_gib.get(partition)
+    if settings.job_device != "cpu" and gib is not None:
+        return partition, "cuda", int(gib * (1 << 30))
+    if settings.job_device == "cuda":
+        return partition, "cuda", None
+    return partition, "cpu", settings.job_mem_mb * (1 << 20)
+
+
+def memory_check(settings: Settings, spec: dict[str, Any], shape: ModelShape) -> MemoryCheck:
+    """The :class:`MemoryCheck` of a validated ``spec`` on a model of ``shape``."""
+    from trainer.memory import estimate_job
+    from trainer.spec import parse_spec
+
+    job = parse_spec(spec)
+    partition, device, limit = memory_limit(settings)
+    est = estimate_job(shape, job.hyperparameters, method=job.method, world_size=job.world_size, fsdp=job.fsdp,
+                       device="cuda" if device == "cuda" else "cpu")
+    return MemoryCheck(est, limit, partition)
+
+
+def _model_shape(settings: Settings, entry: CatalogEntry) -> ModelShape | None:
+    """The catalog model's shape from its config.json; None (no memory check) for one it cannot read."""
+    from trainer.catalog import model_dir
+    from trainer.memory import read_shape
+
+    try:
+        return read_shape(model_dir(settings.models_root, entry.name, entry.digest))
+    except ValueError as e:
+        log.warning("no memory estimate for model %s: %s", entry.name, e)
+        return None
+
+
+RANK_ROWS = ("batch_size_tokens", "max_seq_len")
+
+
+def widen_for_ranks(hp: dict[str, Any], method: str, gpus: int) -> str | None:
+    """Keep every rank busy: a step's rows are dealt out ``rows[rank::gpus]``, and a full step packs
+    into at least ``ceil(batch_size_tokens / row)`` rows (``row``: ``max_seq_len``, DPO
+    ``2 * max_seq_len``), so fewer than ``gpus`` of them leaves ranks idle every step.
+
+    When ``batch_size_tokens`` is the default, it is widened in ``hp`` to ``gpus x row`` and the
+    returned note says so: recorded with the job, so its spec, its checkpoints and any resume (on
+    however many ranks) see the same steps. When the request set it, ServiceError (400) with the
+    figure: an explicit budget is the user's, not ours to change. None: nothing to do (or values
+    the spec check refuses later)."""
+    from trainer.spec import Hyperparameters
+
+    defaults = Hyperparameters()
+    seq = hp.get("max_seq_len", defaults.max_seq_len)
+    budget = hp.get("batch_size_tokens", defaults.batch_size_tokens)
+    if gpus <= 1 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in (seq, budget)):
+        return None
+    row = 2 * seq if method == "dpo" else seq
+    rows = -(-budget // row)        # a full step packs into at least this many rows
+    if rows >= gpus:
+        return None
+    need = gpus * row
+    if "batch_size_tokens" in hp:
+        raise ServiceError(
+            f"hyperparameters.batch_size_tokens ({budget}) gives each step at most {rows} row(s) of "
+            f"{row} tokens, fewer than the {gpus} GPUs: {gpus - rows} rank(s) would idle every step; set "
+            f"batch_size_tokens to at least {need}, lower max_seq_len, or ask for fewer GPUs",
+            param="hyperparameters.batch_size_tokens", code="idle_ranks")
+    hp["batch_size_tokens"] = need
+    return (f"batch_size_tokens widened from the default {budget} to {need} so that each of the {gpus} "
+            f"ranks has a row of {row} tokens every step")
+
+
 def create_job(*, session: Session, settings: Settings, principal: Principal, req: JobRequest,
                submit: Submit) -> FineTuningJob:
     """Validate, admit, record and submit a job. ``submit(job, spec, tenant) -> (id, qos)`` runs sbatch.
@@ -387,18 +498,30 @@ def create_job(*, session: Session, settings: Settings, principal: Principal, re
             raise
         return _same_request(existing, req)
     add_event(session, job.id, f"Created fine-tuning job: {job.id}")
+    if (note := _widened(req, job)) is not None:
+        add_event(session, job.id, note, level="warning")
     session.commit()
     assert principal.tenant_name is not None
     submit_job(session=session, job=job, spec=spec, tenant=principal.tenant_name, submit=submit)
     return job
 
 
+def _widened(req: JobRequest, job: FineTuningJob) -> str | None:
+    """The note of :func:`widen_for_ranks` when it widened ``job``'s steps (for its event log)."""
+    hp = build_hyperparameters(req.hyperparameters)
+    return widen_for_ranks(hp, req.method, req.gpus) if "batch_size_tokens" not in hp and \
+        "batch_size_tokens" in (job.hyperparameters or {}) else None
+
+
 def prepare_job(*, session: Session, settings: Settings, principal: Principal, req: JobRequest,
-                submit: Submit, sweep_id: str | None = None, pending: int = 0) -> tuple[FineTuningJob, dict[str, Any]]:
+                submit: Submit, sweep_id: str | None = None, pending: int = 0,
+                check_memory: bool = True) -> tuple[FineTuningJob, dict[str, Any]]:
     """Validate and admit ``req``: its row (not added to the session: the caller adds it, so that
     no write, and in SQLite no write lock, happens during the checks) and its spec. ``pending``:
     jobs of the same request (a sweep's) not in the database yet, counted against the tenant's
-    limit of unfinished jobs."""
+    limit of unfinished jobs. ``check_memory``: refuse (400, ``insufficient_memory``) a job whose
+    estimated per-rank peak is over what its ranks have (:func:`memory_check`; the estimate route
+    reports it instead)."""
     tid = tenant_id_of(principal)
     tenant_name = principal.tenant_name
     assert tenant_name is not None          # _tenant_id refused a principal without a tenant
@@ -424,6 +547,7 @@ def prepare_job(*, session: Session, settings: Settings, principal: Principal, r
     tokens, minutes = estimate(settings, train, epochs, req.gpus)
     _admit(session, settings, tid, tokens, minutes, pending)
     _gpus_allowed(submit, tenant_name, minutes, req.gpus)
+    widen_for_ranks(hp, req.method, req.gpus)
     job = FineTuningJob(tenant_id=tid, training_file=train.id, validation_file=val.id if val else None,
                         model=base, model_digest=entry.digest, hyperparameters=hp,
                         parent_model=model if parent is not None else None,
@@ -433,6 +557,9 @@ def prepare_job(*, session: Session, settings: Settings, principal: Principal, r
                         estimated_tokens=tokens, time_limit_min=minutes, gpus=req.gpus, nodes=req.nodes,
                         fsdp=req.fsdp, method=req.method)
     spec = job_spec(settings, tenant_name, job, train, val, entry, init)  # validates hp before any row exists
+    shape = _model_shape(settings, entry) if check_memory else None
+    if shape is not None and (check := memory_check(settings, spec, shape)).fits is False:
+        raise ServiceError(check.refusal(), param="hyperparameters", code="insufficient_memory")
     return job, spec
 
 
@@ -440,12 +567,21 @@ def estimate_job(*, session: Session, settings: Settings, principal: Principal, 
                  submit: Submit) -> dict[str, Any]:
     """A dry run of ``create_job``: the same checks and admission (the same errors), nothing written
     or submitted; returns what the job would take and when it would start (``Submitter.expected_start``)."""
-    job, spec = prepare_job(session=session, settings=settings, principal=principal, req=req, submit=submit)
+    job, spec = prepare_job(session=session, settings=settings, principal=principal, req=req, submit=submit,
+                            check_memory=False)
     minutes = job.time_limit_min or 60
     out: dict[str, Any] = {"object": "fine_tuning.job.estimate", "model": job.model,
                            "estimated_tokens": job.estimated_tokens, "gpus": job.gpus, "nodes": job.nodes,
                            "time_limit_minutes": minutes, "expected_minutes": max(1, round(minutes / 1.5)),
-                           "gpu_hours": round(job.gpus * minutes / 1.5 / 60, 3)}
+                           "gpu_hours": round(job.gpus * minutes / 1.5 / 60, 3),
+                           "batch_size_tokens": (job.hyperparameters or {}).get("batch_size_tokens"),
+                           "warnings": [note] if (note := _widened(req, job)) else []}
+    shape = _model_shape(settings, _catalog_entry(settings, job.model))
+    if shape is not None:
+        check = memory_check(settings, spec, shape)
+        out["memory"] = check.as_dict()
+        if check.fits is False:
+            out["warnings"].append(check.refusal())
     starts = getattr(submit, "expected_start", None)
     if starts is not None:
         assert principal.tenant_name is not None

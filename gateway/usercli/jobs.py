@@ -122,6 +122,14 @@ def estimate_job(as_json: bool, **request: Any) -> None:
     click.echo(f"~{est['estimated_tokens']:,} training tokens on {est['gpus']} GPU(s): about "
                f"{est['expected_minutes']} min ({est['gpu_hours']} GPU-hours), "
                f"time limit {est['time_limit_minutes']} min")
+    memory = est.get("memory")
+    if memory:
+        limit = f" of {memory['limit_gib']} GiB" if memory.get("limit_gib") else ""
+        fits = {True: "fits", False: "does NOT fit", None: "not checked"}[memory.get("fits")]
+        click.echo(f"memory: ~{memory['per_gpu_gib']} GiB per {'GPU' if memory['device'] == 'cuda' else 'rank'}"
+                   f"{limit} ({fits})")
+    for warning in est.get("warnings") or []:
+        click.echo(f"warning: {warning}")
     if "qos" in est:
         start = est.get("expected_start")
         when = "now" if start is not None and start <= time.time() + 5 else _when(start) if start else "unknown"

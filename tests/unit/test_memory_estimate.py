@@ -71,3 +71,87 @@ def test_estimate_job_takes_the_hyperparameters() -> None:
     est = memory.estimate_job(shape, hp)
     assert est == memory.estimate(shape, max_seq_len=4096, lora_r=64)
     assert memory.estimate_job(shape, hp, method="dpo").row_tokens == 8192
+
+
+# ------------------------------------------------------------------ gateway admission
+
+
+def _settings(**kw: object):  # type: ignore[no-untyped-def]
+    from gateway.config import Settings
+
+    return Settings(**kw)  # type: ignore[arg-type]
+
+
+def _spec(**hp: object) -> dict[str, object]:
+    return {"base_model": {"name": "m", "digest": "sha256:" + "0" * 64},
+            "train": {"path": "/t.jsonl", "sha256": "0" * 64}, "job_dir": "/j", "hyperparameters": hp}
+
+
+def test_memory_limit_gpu_partition_cpu_partition_and_unknown() -> None:
+    from gateway.services.jobs import memory_limit
+
+    assert memory_limit(_settings()) == ("default", "cpu", 8192 << 20)       # the dev cluster: CPU, --mem
+    assert memory_limit(_settings(slurm_partition="a100", gpu_memory_gib={"a100": 80})) == \
+        ("a100", "cuda", 80 << 30)
+    assert memory_limit(_settings(slurm_partition="a100", gpu_memory_gib={"default": 24}))[1] == "cpu"
+    assert memory_limit(_settings(job_device="cuda")) == ("default", "cuda", None)  # not known: not checked
+    assert memory_limit(_settings(job_device="cpu", gpu_memory_gib={"default": 80}))[1] == "cpu"
+
+
+def test_memory_check_refuses_with_the_figures_and_admits_what_fits() -> None:
+    from gateway.services.jobs import memory_check
+
+    shape = memory.ModelShape.from_config(LLAMA_8B)
+    small_gpu = _settings(gpu_memory_gib={"default": 16})
+    fits = memory_check(small_gpu, _spec(), shape)
+    assert fits.fits is True and fits.as_dict()["per_gpu_gib"] == memory.estimate(shape, max_seq_len=2048).gib()
+    big = memory_check(small_gpu, _spec(max_seq_len=16384, batch_size_tokens=16384), shape)
+    assert big.fits is False
+    text = big.refusal()
+    assert f"needs ~{big.estimate.total / memory.GIB:.1f} GiB per GPU" in text
+    assert "partition default's GPUs have 16.0 GiB" in text
+    cpu = memory_check(_settings(job_mem_mb=4096), _spec(), shape)
+    assert cpu.estimate.device == "cpu" and cpu.fits is False and "memory limit is 4.0 GiB" in cpu.refusal()
+    assert memory_check(_settings(job_device="cuda"), _spec(), shape).fits is None
+    assert memory_check(_settings(gpu_memory_gib={"default": 80}), _spec(), shape).as_dict()["fits"] is True
+
+
+# ------------------------------------------------------------------ idle ranks
+
+
+def test_widen_default_budget_refuse_explicit_one() -> None:
+    from gateway.errors import ServiceError
+    from gateway.services.jobs import widen_for_ranks
+
+    hp: dict[str, object] = {}
+    note = widen_for_ranks(hp, "supervised", 8)
+    assert hp["batch_size_tokens"] == 8 * 2048 and note is not None and "4096 to 16384" in note
+    dpo: dict[str, object] = {"max_seq_len": 512}
+    widen_for_ranks(dpo, "dpo", 8)                                        # a row holds a pair's both sides
+    assert dpo["batch_size_tokens"] == 8 * 2 * 512
+    assert widen_for_ranks({}, "supervised", 2) is None                  # 4096 / 2048: a row per rank
+    same: dict[str, object] = {"max_seq_len": 512}
+    assert widen_for_ranks(same, "supervised", 8) is None and "batch_size_tokens" not in same
+    with pytest.raises(ServiceError, match="at least 16384") as e:
+        widen_for_ranks({"batch_size_tokens": 4096}, "supervised", 8)
+    assert e.value.code == "idle_ranks" and "6 rank(s) would idle" in e.value.message
+    assert widen_for_ranks({"batch_size_tokens": 768, "max_seq_len": 256}, "dpo", 2) is None   # 2 rows of 512
+    assert widen_for_ranks({"max_seq_len": "x"}, "supervised", 8) is None   # the spec check names it later
+
+
+def test_rows_per_step_and_the_idle_rank_warning() -> None:
+    from trainer.packing import idle_ranks, micro_batches, pack, plan, rows_per_step
+
+    lengths = [300, 500, 200, 900, 100, 700, 400, 600]
+    steps = plan(lengths, 1200, seed=0, epochs=1)[0]
+    rows = rows_per_step(steps, lengths, 512 + 512)
+    assert rows == [len(pack([lengths[i] for i in s], list(range(len(s))), 1024)) for s in steps]
+    from trainer.packing import Example
+
+    examples = [Example(tuple(range(n)), (0,) * n, i) for i, n in enumerate(lengths)]
+    assert rows == [len(micro_batches([examples[i] for i in s], 1024)) for s in steps]
+    assert idle_ranks(rows, 1) is None and idle_ranks(rows, min(rows)) is None
+    warning = idle_ranks(rows, 8)
+    assert warning is not None and f"{len(rows)} of {len(rows)} steps" in warning and "8 ranks" in warning
+    # the plan does not depend on the world size: a checkpoint resumes on any number of ranks
+    assert plan(lengths, 1200, seed=0, epochs=2) == plan(lengths, 1200, seed=0, epochs=2)
