@@ -197,13 +197,18 @@ def load_base_model(path: str | Path, device: str | None = None, max_seq_len: in
     # the current device: cuda:<local rank> on a data-parallel rank (trainer.distributed), else 0
     load = {"quantization_config": quant, "dtype": compute,
             "device_map": {"": torch.cuda.current_device()} if cuda else "cpu"}
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attention, **load)
-    except ValueError as e:  # an architecture that takes no custom attention function
-        if attention in ("sdpa", "flash_attention_2"):
-            raise
-        log.info("%s refused (%s); loading with sdpa", attention, str(e).splitlines()[0][:200])
-        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", **load)
+    # an architecture that takes no custom attention function falls back to sdpa, and one that
+    # refuses sdpa too (Gemma2: its soft-capping) to eager, the reference every path is checked against
+    choices = list(dict.fromkeys([attention, "sdpa", "eager"]))
+    for i, choice in enumerate(choices):
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=choice, **load)
+            break
+        except ValueError as e:
+            if i + 1 == len(choices):
+                raise
+            log.info("attention %s refused (%s); loading with %s", choice, str(e).splitlines()[0][:200],
+                     choices[i + 1])
     log.info("base model on %s%s, attention %s", device, " (staged on the cpu)" if device == "cuda" and not cuda
              else "", model.config._attn_implementation)
     disable_cpu_repack(model)
