@@ -12,14 +12,15 @@ Per rank, for one micro-batch row of ``T`` tokens (``max_seq_len``; DPO's rows h
 sides of a pair, ``2 * max_seq_len``), ``N = min(LOGIT_CHUNK, trained positions)``:
 
 * ``weights``: the decoder's linear layers in 4-bit NF4 with double-quantized absmax
-  (:data:`NF4_BYTES` per parameter), the embeddings and an untied head in fp32 (what
-  ``prepare_model_for_kbit_training`` leaves them in). On the CPU an fp32 checkpoint's
-  embeddings are the mapped file itself (``mapped``: file pages, reclaimable, not in the
-  total). FSDP shards the decoder over the ranks, plus one layer gathered at a time.
+  (:data:`NF4_BYTES` per parameter), the embeddings and an untied head in the compute dtype
+  (``trainer.model.add_lora`` casts them back after peft's k-bit upcast: bf16 on CUDA, fp32 on
+  the CPU). On the CPU an fp32 checkpoint's embeddings are the mapped file itself (``mapped``:
+  file pages, reclaimable, not in the total). FSDP shards the decoder over the ranks, plus one
+  layer gathered at a time; the embeddings and head stay whole on every rank.
 * ``lora_adam``: the LoRA parameters, fp32, 16 bytes each: weight, gradient, Adam's two moments
   (sharded by FSDP).
-* ``activations``: with gradient checkpointing, each layer's input (the fp32 residual stream,
-  ``L x T x hidden``) plus, while a layer's backward runs, that layer's recomputed activations
+* ``activations``: with gradient checkpointing, each layer's input (the residual stream in the
+  compute dtype, ``L x T x hidden``) plus, while a layer's backward runs, that layer's recomputed activations
   and the gradients in flight (:data:`GRADIENTS_IN_FLIGHT`); without it, every layer's
   activations. A layer's activations (:func:`layer_elements`) count its norms, q/k/v and their
   rotary copies, attention output, MLP intermediates and, with LoRA dropout (supervised; DPO
@@ -165,11 +166,12 @@ def lora_params(shape: ModelShape, r: int, target_modules: str | list[str]) -> i
 
 def layer_elements(shape: ModelShape, device: Device, dropout: bool) -> tuple[float, float]:
     """Per token, the activations one layer keeps for its backward: ``(fp32 elements, compute-dtype
-    elements)``. The residual stream and norms are fp32 (the embeddings are), the linear outputs
-    in the compute dtype; the CPU path repeats k/v for grouped-query attention."""
+    elements)``. The norms compute in fp32, the residual stream and linear outputs are in the
+    compute dtype; the CPU path repeats k/v for grouped-query attention."""
     h, q, kv, i = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate
-    fp32: float = 4 * h + 3 * h                   # two RMSNorms (scaled input, output), two residuals, output
-    compute = q + 2 * kv                          # q, k, v
+    fp32: float = 4 * h                           # two RMSNorms: the fp32 input and its scaled copy
+    compute = 3 * h                               # two residual sums and the layer's output
+    compute += q + 2 * kv                         # q, k, v
     compute += 2 * (q + kv)                       # rotary: rotate_half copies and the rotated q, k
     compute += q                                  # attention output
     compute += 4 * i                              # gate, up, act(gate), act(gate) * up
@@ -233,7 +235,7 @@ def estimate(shape: ModelShape, *, max_seq_len: int, method: str = "supervised",
     linear = shape.linear_params() * NF4_BYTES
     if fsdp and shards > 1:
         linear = linear / shards + linear / shape.layers      # one gathered layer at a time
-    embeddings = shape.embedding_params() * 4
+    embeddings = shape.embedding_params() * compute_bytes
     mapped = 0
     if device == "cpu" and shape.dtype == "float32":          # fp32 compute: the mapped file's tensors
         mapped, embeddings = embeddings, 0
@@ -242,7 +244,7 @@ def estimate(shape: ModelShape, *, max_seq_len: int, method: str = "supervised",
 
     fp32, compute = layer_elements(shape, device, dropout=lora_dropout > 0 and not dpo)
     layer = t * (fp32 * 4 + compute * compute_bytes)
-    inputs: float = shape.layers * t * shape.hidden * 4
+    inputs: float = shape.layers * t * shape.hidden * compute_bytes
     if gradient_checkpointing:
         kept, backward = inputs, layer * (1 + GRADIENTS_IN_FLIGHT)
     else:
