@@ -55,6 +55,7 @@ def dpo_spec(tiny: Tiny, prefs: ToyData, job_dir: Path, **hyper: Any) -> dict[st
     """A small DPO spec: 2 epochs of 160 pairs, steps of whole pairs (<= 768 tokens)."""
     spec = make_spec(tiny, prefs, job_dir, batch_size_tokens=768, max_seq_len=256, beta=BETA, **hyper)
     spec["method"] = "dpo"
+    spec["hyperparameters"].pop("lora_dropout")   # DPO trains without dropout (a non-zero value is refused)
     return spec
 
 
@@ -256,6 +257,7 @@ def test_a_chat_file_given_to_a_dpo_job_fails_fast_naming_the_line(tiny: Tiny, t
     job_dir = tmp_path / "job"
     spec = make_spec(tiny, toy, job_dir, batch_size_tokens=768, max_seq_len=256)
     spec["method"] = "dpo"
+    spec["hyperparameters"].pop("lora_dropout")
     log = tmp_path / "trainer.log"
     assert run_trainer(write_spec(spec, tmp_path / "spec.json"), log) == exitcodes.USER_ERROR
     failed = next(e for e in events(job_dir) if e["type"] == "failed")
