@@ -19,12 +19,13 @@ sides of a pair, ``2 * max_seq_len``), ``N = min(LOGIT_CHUNK, trained positions)
   layer gathered at a time; the embeddings and head stay whole on every rank.
 * ``lora_adam``: the LoRA parameters, fp32, 16 bytes each: weight, gradient, Adam's two moments
   (sharded by FSDP).
-* ``activations``: with gradient checkpointing, each layer's input (the residual stream in the
-  compute dtype, ``L x T x hidden``) plus, while a layer's backward runs, that layer's recomputed activations
-  and the gradients in flight (:data:`GRADIENTS_IN_FLIGHT`); without it, every layer's
-  activations. A layer's activations (:func:`layer_elements`) count its norms, q/k/v and their
+* ``activations``: with gradient checkpointing, each layer's input (the residual stream in
+  the compute dtype, ``L x T x hidden``) plus, while a layer's backward runs, that layer's
+  recomputed activations and the gradients in flight (:data:`GRADIENTS_IN_FLIGHT`); without
+  it, every layer's activations. A layer's activations (:func:`layer_tensors`) count its norms, q/k/v and their
   rotary copies, attention output, MLP intermediates and, with LoRA dropout (supervised; DPO
-  trains without dropout), the dropout copies of each adapted module's input.
+  trains without dropout), the dropout copies of each adapted module's input. On the CPU, what
+  the heap keeps of temporaries below the mmap threshold is added (:func:`heap_bytes`).
 * ``logits``: ``N x vocab`` fp32 logits, the saved log-softmax and its gradient (3 copies; on
   CUDA also the bf16 head output). The head's backward runs before any layer's, so the peak
   holds the larger of ``logits`` and the layer term, never both.
@@ -38,6 +39,11 @@ sides of a pair, ``2 * max_seq_len``), ``N = min(LOGIT_CHUNK, trained positions)
 
 ``rows per step`` does not change a rank's peak (a rank runs its rows one after another,
 gradients accumulated); ``world_size`` changes it only with FSDP.
+
+On the CPU the figure is anonymous memory (what a memory limit cannot reclaim): file pages
+(shared libraries, the mapped checkpoint) are left out. Left out everywhere: loading (the
+no-grad DPO reference pass and the evals stay below a training step), fragmentation of the
+CUDA caching allocator, and other processes on the GPU.
 """
 
 from __future__ import annotations
@@ -67,6 +73,9 @@ CPU_RUNTIME_BYTES = 310 * MIB
 
 CUDA_CONTEXT_BYTES = 600 * MIB
 """The CUDA context, cuBLAS workspace and kernels of one process on its GPU (typical; not measured here)."""
+
+HEAP_MMAP_THRESHOLD = 1 << 20
+"""trainer.heap.MMAP_THRESHOLD: on the CPU, blocks at least this large are mapped on their own."""
 
 STEP_OVERHEAD_BYTES = {"cpu": 8 * MIB, "cuda": 64 * MIB}
 """What a first step allocates besides its tensors (autograd engine, kernels' scratch, allocator slack)."""
@@ -164,22 +173,46 @@ def lora_params(shape: ModelShape, r: int, target_modules: str | list[str]) -> i
     return shape.layers * sum(r * sum(modules[n]) for n in names if n in modules)
 
 
-def layer_elements(shape: ModelShape, device: Device, dropout: bool) -> tuple[float, float]:
-    """Per token, the activations one layer keeps for its backward: ``(fp32 elements, compute-dtype
-    elements)``. The norms compute in fp32, the residual stream and linear outputs are in the
-    compute dtype; the CPU path repeats k/v for grouped-query attention."""
+def layer_tensors(shape: ModelShape, device: Device, dropout: bool) -> list[tuple[int, float, bool]]:
+    """The activations one layer keeps for its backward, per token: ``(width, how many, fp32)``.
+
+    The norms compute in fp32, the residual stream and linear outputs are in the compute dtype;
+    the CPU path repeats k/v for grouped-query attention; LoRA dropout (supervised) keeps the
+    dropped input of each adapted module (and its mask), in fp32: peft casts the input to the
+    LoRA weights' dtype."""
     h, q, kv, i = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate
-    fp32: float = 4 * h                           # two RMSNorms: the fp32 input and its scaled copy
-    compute = 3 * h                               # two residual sums and the layer's output
-    compute += q + 2 * kv                         # q, k, v
-    compute += 2 * (q + kv)                       # rotary: rotate_half copies and the rotated q, k
-    compute += q                                  # attention output
-    compute += 4 * i                              # gate, up, act(gate), act(gate) * up
+    out: list[tuple[int, float, bool]] = [
+        (h, 4, True),                       # two RMSNorms: the fp32 input and its scaled copy
+        (h, 3, False),                      # two residual sums and the layer's output
+        (q, 1, False), (kv, 2, False),      # q, k, v
+        (q, 2, False), (kv, 2, False),      # rotary: rotate_half copies and the rotated q, k
+        (q, 1, False),                      # attention output
+        (i, 4, False),                      # gate, up, act(gate), act(gate) * up
+    ]
     if device == "cpu" and kv != q:
-        compute += 2 * q                          # k, v repeated to every query head
-    if dropout:                                   # LoRA dropout: the dropped input (and its mask) per module
-        fp32 += 1.25 * (5 * h + q + i)            # peft casts the input to the fp32 LoRA weights' dtype
-    return fp32, compute
+        out.append((q, 2, False))           # k, v repeated to every query head
+    if dropout:
+        out += [(h, 1.25 * 5, True), (q, 1.25, True), (i, 1.25, True)]
+    return out
+
+
+def layer_elements(shape: ModelShape, device: Device, dropout: bool) -> tuple[float, float]:
+    """Per token, the elements of :func:`layer_tensors`: ``(fp32, compute dtype)``."""
+    tensors = layer_tensors(shape, device, dropout)
+    return (sum(w * n for w, n, fp32 in tensors if fp32), sum(w * n for w, n, fp32 in tensors if not fp32))
+
+
+def heap_bytes(shape: ModelShape, tokens: int, device: Device, dropout: bool) -> int:
+    """CPU: what glibc's heap keeps of the layers' temporaries smaller than :data:`HEAP_MMAP_THRESHOLD`.
+
+    Larger blocks are mapped on their own and unmapped when freed (``trainer.heap``); smaller ones
+    come from the heap, where what each layer keeps splits the freed space, so the next layer's
+    blocks do not fit in it and the heap grows by them in every layer. Only narrow models on short
+    rows have such blocks (the tiny model: a 2026 x 128 fp32 tensor is 1.04 MB); none on CUDA."""
+    if device != "cpu":
+        return 0
+    small = sum(w * n * 4 for w, n, _ in layer_tensors(shape, device, dropout) if tokens * w * 4 < HEAP_MMAP_THRESHOLD)
+    return int(shape.layers * tokens * small)
 
 
 @dataclass(frozen=True)
@@ -251,11 +284,12 @@ def estimate(shape: ModelShape, *, max_seq_len: int, method: str = "supervised",
         kept, backward = shape.layers * layer, layer * GRADIENTS_IN_FLIGHT
     logits = n * shape.vocab * (3 * 4 + (2 if device == "cuda" else 0))
     attention = t * t if dense_mask else 0
+    heap = heap_bytes(shape, t, device, dropout=lora_dropout > 0 and not dpo)
     transient = 2 * max(a * b for a, b in shape.modules().values()) * compute_bytes
     runtime = CUDA_CONTEXT_BYTES if device == "cuda" else CPU_RUNTIME_BYTES
-    total = (weights + lora_adam + kept + max(int(backward), logits) + attention + transient
+    total = (weights + lora_adam + kept + max(int(backward), logits) + attention + transient + heap
              + STEP_OVERHEAD_BYTES[device] + runtime)
-    return MemoryEstimate(weights=weights, lora_adam=lora_adam, activations=int(kept + backward), logits=logits,
+    return MemoryEstimate(weights=weights, lora_adam=lora_adam, activations=int(kept + backward + heap), logits=logits,
                           attention=attention, transient=transient, runtime=runtime, total=int(total),
                           mapped=mapped, device=device, row_tokens=t)
 

@@ -25,9 +25,10 @@ PROBE = Path(__file__).with_name("memory_probe.py")
 ROOT = Path(__file__).resolve().parents[2]
 SYSTEM_CATALOG = Path("/srv/slurm-finetune/models")
 BOUND = 0.25
-ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "131072"}
-"""glibc with a fixed mmap threshold, as jobs run: with the default dynamic one, every freed
-per-layer temporary stays on the heap and a SmolLM2 step's RSS is ~10x its tensors."""
+ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+"""glibc with the fixed mmap threshold the trainer sets on the CPU (trainer.heap; the same value, so
+this holds before and after it does): with glibc's dynamic one, every freed per-layer temporary
+stays on the heap and a SmolLM2 step's RSS is ~10x its tensors."""
 
 
 def _smollm2() -> tuple[Path, str, str] | None:

@@ -59,11 +59,21 @@ def test_terms_move_the_way_the_trainer_allocates() -> None:
     assert cpu.mapped == 49152 * 576 * 4 and cpu.runtime == memory.CPU_RUNTIME_BYTES  # fp32 file: mapped
 
 
-def test_logit_chunk_is_the_trainers() -> None:
+def test_logit_chunk_and_heap_threshold_are_the_trainers() -> None:
     pytest.importorskip("torch")
     from trainer.model import LOGIT_CHUNK
 
     assert memory.LOGIT_CHUNK == LOGIT_CHUNK
+    heap = pytest.importorskip("trainer.heap")
+    assert memory.HEAP_MMAP_THRESHOLD == heap.MMAP_THRESHOLD
+
+
+def test_heap_term_only_for_blocks_below_the_mmap_threshold() -> None:
+    tiny = memory.ModelShape(hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, intermediate=344,
+                             vocab=1392, tied=False)
+    assert memory.heap_bytes(tiny, 2026, "cpu", dropout=True) > 0          # 2026 x 128 fp32: 1.04 MB
+    assert memory.heap_bytes(tiny, 2026, "cuda", dropout=True) == 0
+    assert memory.heap_bytes(memory.ModelShape.from_config(SMOLLM2), 2025, "cpu", dropout=True) == 0
 
 
 def test_estimate_job_takes_the_hyperparameters() -> None:
