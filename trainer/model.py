@@ -393,10 +393,16 @@ def _trained_states(model: Any, row: Row) -> tuple[Any, torch.Tensor, torch.Tens
     ``head`` is None and ``states`` are already the fp32 logits there (the
     model's own forward with ``logits_to_keep``). With no trained position the
     states are the whole row's hidden states (for the zero-weight backward).
+    On the CPU the first forward fixes glibc's mmap threshold (:mod:`trainer.heap`): else the
+    heap keeps every layer's freed activations, and a 4029-token DPO row took SmolLM2 past 8 GB.
     """
     import torch
 
+    from trainer.heap import map_large_blocks
+
     device = next(p.device for p in model.parameters())
+    if device.type == "cpu":
+        map_large_blocks()
     keep = [i for i, t in enumerate(row.targets) if t != IGNORE]
     ids = torch.tensor([row.input_ids], device=device)
     positions = torch.tensor([row.position_ids], device=device)
