@@ -10,6 +10,9 @@ Usage: ``python memory_probe.py SPEC.json``. Prints (MiB):
   peak counter is reset after setup through ``/proc/self/clear_refs``, so the load does not
   hide it); ``rows``: ``(tokens, trained tokens, longest example)`` of each of step 1's rows.
 
+The heap is set up first as a trainer process's (``trainer.heap.map_large_blocks``, where that
+module exists: glibc's mmap threshold fixed before anything is loaded).
+
 What :func:`trainer.memory.estimate` predicts is compared with ``step_peak`` and ``load_peak``
 (tests/trainer/test_memory_estimate_measured.py).
 """
@@ -33,6 +36,12 @@ def _longest(bounds: list[int]) -> int:
 
 
 def main(spec_path: str) -> None:
+    try:  # the heap as a trainer process has it from its start (trainer.heap, where it exists)
+        from trainer.heap import map_large_blocks
+    except ImportError:
+        pass
+    else:
+        map_large_blocks()
     import bitsandbytes  # noqa: F401 - the runtime baseline holds the whole stack
     import peft  # noqa: F401
     import torch  # noqa: F401
