@@ -106,7 +106,7 @@ def test_more_gpus_than_the_qos_allows_is_refused_with_the_limit(gw: LiveGateway
 
 
 def test_cancel_stops_every_rank_and_both_nodes_confirm_cleanup(gw: LiveGateway, train_file: str) -> None:
-    hp = {**GANG_HP, "n_epochs": 30, "batch_size_tokens": 256}
+    hp = {**GANG_HP, "n_epochs": 30, "batch_size_tokens": 512}  # 2 rows a step: one per rank
     job = gw.create(T, train_file, hp, resources=TWO_NODES)
     gw.wait(T, job["id"], lambda j: (j["progress"].get("step") or 0) >= 2 or terminal(j), 240)
     assert len(_ranks(f"sft-{T}")) == 2
@@ -124,7 +124,7 @@ def test_cancel_stops_every_rank_and_both_nodes_confirm_cleanup(gw: LiveGateway,
 
 
 def test_a_killed_rank_requeues_the_gang_which_resumes_and_succeeds(gw: LiveGateway, train_file: str) -> None:
-    hp = {**GANG_HP, "n_epochs": 6, "batch_size_tokens": 256}
+    hp = {**GANG_HP, "n_epochs": 6, "batch_size_tokens": 512}
     job = gw.create(T, train_file, hp, resources=TWO_NODES)
     gw.wait(T, job["id"], lambda j: (j["progress"].get("step") or 0) >= 4 or terminal(j), 240)
     ranks = _ranks(f"sft-{T}")
