@@ -67,6 +67,7 @@ from trainer.errors import (
     TrainerError,
 )
 from trainer.events import EventLog
+from trainer.heap import map_large_blocks
 from trainer.model import (
     accumulate_gradients,
     add_lora,
@@ -210,6 +211,8 @@ class Recipe:
         model_path = self.verify_inputs()  # input errors first: they are permanent, a broken GPU may not be
         self.world.select_gpu(self.spec.device)  # before any CUDA context: cuda:<local rank>
         self.device = resolve_device(self.spec.device)  # before tokenizing and loading
+        if self.device == "cpu":  # before the load, which otherwise leaves ~0.5 GB of heap behind
+            map_large_blocks()
         self.world.connect(self.device, sharded=self.spec.fsdp)
         self.check_stop()
         self.events.phase("tokenizing")
