@@ -214,6 +214,7 @@ def our_spec(job: dict[str, Any]) -> dict[str, Any]:
 def run_ours(job: dict[str, Any]) -> dict[str, Any]:
     """Train with trainer.recipe (method dpo, no final save); step times from its per-step metrics."""
     bt.quiet()
+    bt.same_heap()
     import torch
 
     torch.set_num_threads(job["threads"])
@@ -323,6 +324,7 @@ def shared_config(job: dict[str, Any]) -> dict[str, Any]:
 def run_trl(job: dict[str, Any]) -> dict[str, Any]:
     """Train with TRL DPOTrainer in its best configuration; the reference pass timed apart."""
     bt.quiet()
+    bt.same_heap()
     import torch
 
     torch.set_num_threads(job["threads"])
@@ -559,6 +561,7 @@ def main() -> None:
               f"{'CUDA' if cuda else 'CPU'}")
         for line in describe(cuda, job):
             print(line, flush=True)
+        print("heap: glibc mmap threshold fixed at 1 MiB for both contenders (trainer.heap)", flush=True)
         results = alternate(job, args.repeats, contenders)
         scores = bt.in_fresh_process(score_adapters, {**job, "adapters": [r["adapter"] for r in results]})
     memory = "cuda" if cuda else "rss"

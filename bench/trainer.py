@@ -219,10 +219,21 @@ def step_marks(times: list[float], counts: list[int]) -> list[tuple[float, int]]
     return marks
 
 
+def same_heap() -> str:
+    """Give this contender's process the heap the trainer gives itself on the CPU (``trainer.heap``:
+    glibc's mmap threshold fixed at 1 MiB, set before anything is loaded), so both sides run on
+    the same allocator setting: with glibc's dynamic threshold freed activations stay in the heap,
+    which would charge TRL's peak RSS (and time) for an allocator choice, not for its trainer."""
+    from trainer.heap import MMAP_THRESHOLD, map_large_blocks
+
+    return f"glibc mmap threshold {MMAP_THRESHOLD} B" if map_large_blocks() else "allocator defaults (not glibc)"
+
+
 def run_ours(job: dict[str, Any]) -> dict[str, Any]:
     """Train with trainer.recipe (no final save); step times from its per-step metrics, step tokens from the
     data (the lengths of the examples each planned step holds)."""
     quiet()
+    same_heap()
     import torch
 
     torch.set_num_threads(job["threads"])
@@ -338,6 +349,7 @@ def _step_clock() -> tuple[Any, list[tuple[float, int]]]:
 def run_trl(job: dict[str, Any]) -> dict[str, Any]:
     """Train with TRL SFTTrainer in ``job["trl"]`` configuration (best or defaults); same scoring as ours."""
     quiet()
+    same_heap()
     import torch
 
     torch.set_num_threads(job["threads"])
@@ -465,7 +477,8 @@ def describe_peer(cuda: bool, step_tokens: int, job: dict[str, Any]) -> str:
     extra = ["LoRA " + ", ".join(f"{k}={v}" for k, v in LORA.items()),
              f"attn_implementation={describe_attention(cuda, job)}",
              "LoRA weights " + ("bf16 (TRL's QLoRA cast)" if cuda else "fp32 (TRL's bf16 cast undone before train)"),
-             "base: trainer.model.load_base_model (NF4, double quant, compute " + ("bf16)" if cuda else "fp32)")]
+             "base: trainer.model.load_base_model (NF4, double quant, compute " + ("bf16)" if cuda else "fp32)"),
+             "heap: glibc mmap threshold fixed at 1 MiB for both contenders (trainer.heap)"]
     return "TRL-best SFTConfig(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + "); " + "; ".join(extra)
 
 
