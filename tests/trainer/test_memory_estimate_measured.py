@@ -48,7 +48,7 @@ def _smollm2() -> tuple[Path, str, str] | None:
     return (SYSTEM_CATALOG, entry["name"], entry["digest"]) if entry else None
 
 
-def _probe(root: Path, name: str, digest: str, method: str, tmp: Path, heavy: bool) -> dict[str, Any]:
+def _probe(root: Path, name: str, digest: str, method: str, tmp: Path) -> dict[str, Any]:
     from trainer.data import sha256_file
     from trainer.toydata import toy_conversations, toy_preferences, write_jsonl
 
@@ -60,8 +60,6 @@ def _probe(root: Path, name: str, digest: str, method: str, tmp: Path, heavy: bo
             **({"method": "dpo"} if method == "dpo" else {})}
     (tmp / "spec.json").write_text(json.dumps(spec))
     argv = [sys.executable, str(PROBE), str(tmp / "spec.json")]
-    if heavy:  # SmolLM2 runs do not overlap other heavy runs on the shared host
-        argv = ["flock", "/var/tmp/heavy.lock", *argv]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests' / 'trainer'}",
            **_allocator()}
     done = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
@@ -83,7 +81,7 @@ def test_estimate_within_25_percent_of_the_measured_step_peak(tiny: Tiny, model:
         if found is None:
             pytest.skip(f"SmolLM2 is not registered in {SYSTEM_CATALOG}")
         root, name, digest = found
-    measured = _probe(root, name, digest, method, tmp_path, heavy=model != "tiny")
+    measured = _probe(root, name, digest, method, tmp_path)
     tokens, trained, _ = max(measured["rows"])
     shape = read_shape(model_dir(root, name, digest))
     est = estimate(shape, max_seq_len=2048, method=method, device="cpu", row_tokens=tokens, trained=trained,
