@@ -124,10 +124,12 @@ class ModelShape:
 
     @property
     def q_dim(self) -> int:
+        """Width of the query projection's output: heads x head_dim (not hidden, e.g. Gemma)."""
         return self.heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
+        """Width of each key/value projection's output: kv_heads x head_dim (GQA)."""
         return self.kv_heads * self.head_dim
 
     def modules(self) -> dict[str, tuple[int, int]]:
