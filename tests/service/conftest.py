@@ -216,3 +216,13 @@ def wait_port(port: int, timeout: float = 30) -> None:
 
 
 __all__ = ["Gateway", "chat_lines", "migrate", "wait_port"]
+
+
+@pytest.fixture(scope="session")
+def tiny_catalog(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A catalog holding only the tiny model as tiny-chat (models add, its checks included)."""
+    from trainer import catalog
+
+    root = tmp_path_factory.mktemp("models")
+    catalog.add(catalog.make_tiny(tmp_path_factory.mktemp("tiny") / "m"), "tiny-chat", root)
+    return root

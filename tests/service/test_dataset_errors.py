@@ -16,15 +16,6 @@ DATASETS = Path(__file__).parent.parent / "data" / "datasets"
 EXPECTED: dict[str, dict[str, Any]] = json.loads((DATASETS / "expected.json").read_text())
 
 
-@pytest.fixture(scope="session")
-def tiny_catalog(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from trainer import catalog
-
-    root = tmp_path_factory.mktemp("models")
-    catalog.add(catalog.make_tiny(tmp_path_factory.mktemp("tiny") / "m"), "tiny-chat", root)
-    return root
-
-
 @pytest.fixture
 def gw_tok(settings: Settings, tiny_catalog: Path) -> Gateway:
     return Gateway(settings.model_copy(update={"default_model": "tiny-chat", "max_seq_len": 256,

@@ -16,15 +16,6 @@ from tests.service.conftest import TENANT_A, Gateway, chat_lines
 pytestmark = pytest.mark.service
 
 
-@pytest.fixture(scope="session")
-def tiny_catalog(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from trainer import catalog
-
-    root = tmp_path_factory.mktemp("models")
-    catalog.add(catalog.make_tiny(tmp_path_factory.mktemp("tiny") / "m"), "tiny-chat", root)
-    return root
-
-
 @pytest.fixture
 def gw_gpu(settings: Settings, tiny_catalog: Path) -> Iterator[Gateway]:
     """A site whose default partition has 1 GiB GPUs; tenant A has a Slurm account (up to 4 GPUs:

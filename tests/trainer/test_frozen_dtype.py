@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from trainer_testlib import Tiny
+from trainer_testlib import Tiny, lora_with_random_b
 
 pytestmark = pytest.mark.train
 
@@ -28,20 +28,7 @@ def _row() -> Any:
 
 
 def _lora(tiny: Tiny) -> Any:
-    import torch
-
-    from trainer.model import add_lora, load_base_model
-    from trainer.spec import Hyperparameters
-
-    hp = Hyperparameters(lora_r=8, lora_alpha=16, lora_dropout=0.0, max_seq_len=128, gradient_checkpointing=True)
-    model = add_lora(load_base_model(tiny.path, "cpu"), hp)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    model.train()
-    return model
+    return lora_with_random_b(tiny.path, max_seq_len=128, gradient_checkpointing=True)
 
 
 def _head_casts(model: Any) -> tuple[float, int]:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from trainer_testlib import REPO, Tiny, ToyData, make_spec, trainer_env, write_spec
+from trainer_testlib import REPO, Tiny, ToyData, lora_with_random_b, make_spec, trainer_env, write_spec
 
 pytestmark = pytest.mark.train
 
@@ -50,21 +50,7 @@ def test_step_budget_8x_max_seq_len_trains_with_bounded_attention_and_memory(
 @pytest.fixture(scope="module")
 def lora_model(tiny: Tiny) -> Any:
     """The tiny base in 4-bit with LoRA (no dropout), every LoRA B non-zero so every matrix gets a gradient."""
-    import torch
-
-    from trainer.model import add_lora, load_base_model
-    from trainer.spec import Hyperparameters
-
-    hp = Hyperparameters(lora_r=8, lora_alpha=16, lora_dropout=0.0, max_seq_len=MAX_SEQ_LEN,
-                         gradient_checkpointing=False)
-    model = add_lora(load_base_model(tiny.path), hp)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    model.train()
-    return model
+    return lora_with_random_b(tiny.path, max_seq_len=MAX_SEQ_LEN, gradient_checkpointing=False)
 
 
 @pytest.fixture(scope="module")

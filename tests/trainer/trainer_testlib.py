@@ -145,3 +145,23 @@ def assert_same_run(staging: Path, reference_staging: Path) -> None:
     assert mine.keys() == theirs.keys()
     for name in mine:
         assert torch.equal(mine[name], theirs[name]), name
+
+
+def lora_with_random_b(path: Path, **hyper: Any) -> Any:
+    """The tiny model at ``path`` loaded and LoRA-wrapped as the trainer does (r 8, alpha 16, no
+    dropout; ``hyper`` overrides), LoRA B drawn at random (seeded) so gradients reach every LoRA
+    weight, in train mode."""
+    import torch
+
+    from trainer.model import add_lora, load_base_model
+    from trainer.spec import Hyperparameters
+
+    hp = Hyperparameters(**{"lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.0, **hyper})
+    model = add_lora(load_base_model(path, "cpu"), hp)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    model.train()
+    return model
