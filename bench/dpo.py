@@ -324,7 +324,8 @@ def shared_config(job: dict[str, Any]) -> dict[str, Any]:
 def run_trl(job: dict[str, Any]) -> dict[str, Any]:
     """Train with TRL DPOTrainer in its best configuration; the reference pass timed apart."""
     bt.quiet()
-    bt.same_heap()
+    if job.get("peer_heap") == "same":
+        bt.same_heap()
     import torch
 
     torch.set_num_threads(job["threads"])
@@ -537,6 +538,8 @@ def main() -> None:
                         help="TRL's bf16 autocast (auto: on CUDA only; on the CPU it measured slower)")
     parser.add_argument("--attention", choices=["same", "own"], default="same",
                         help="same: one kernel for both (default); own: ours on its production choice")
+    parser.add_argument("--peer-heap", choices=["default", "same"], default="default",
+                        help="TRL's allocator: default (glibc's: its fastest) or same (ours: mmap threshold 1 MiB)")
     parser.add_argument("--only", choices=[OURS, "trl"], help="run one contender (no ratios)")
     args = parser.parse_args()
     bt.quiet()
@@ -550,7 +553,7 @@ def main() -> None:
         job = prepare(Path(tmp), args.pairs)
         job.update(epochs=args.epochs, threads=args.threads, lr=args.lr, pairs_per_step=args.pairs_per_step,
                    gradient_checkpointing=not args.no_gradient_checkpointing, trl_bf16=args.trl_bf16,
-                   attention=args.attention)
+                   attention=args.attention, peer_heap=args.peer_heap)
         job["pair_tokens"] = pair_tokens(job)
         job["longest_side"] = longest_side(job)
         job["step_tokens"] = step_budget(job["pair_tokens"], args.pairs_per_step, args.epochs, job["longest_side"])
@@ -561,7 +564,7 @@ def main() -> None:
               f"{'CUDA' if cuda else 'CPU'}")
         for line in describe(cuda, job):
             print(line, flush=True)
-        print("heap: glibc mmap threshold fixed at 1 MiB for both contenders (trainer.heap)", flush=True)
+        print("peer heap: " + bt.peer_heap(job), flush=True)
         results = alternate(job, args.repeats, contenders)
         scores = bt.in_fresh_process(score_adapters, {**job, "adapters": [r["adapter"] for r in results]})
     memory = "cuda" if cuda else "rss"
