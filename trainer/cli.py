@@ -111,10 +111,13 @@ def add_cmd(path: Path, name: str, root: Path) -> None:
 def _echo_check(entry: catalog.CatalogEntry) -> None:
     check = entry.packing_check
     if check:
+        paths = ", ".join(check.get("attention") or []) or "?"
+        window = check.get("sliding_window")
         click.echo(
-            f"packing check passed: max |packed - unpacked| loss {check['max_abs_diff']:.2e} "
-            f"(tolerance {check['tolerance']:g}, {check['quantization'] or 'unquantized'} "
-            f"{check['compute_dtype']} on {check['device']})"
+            f"packing check passed: max |packed - eager unpacked| loss "
+            f"{check['max_abs_diff']:.2e} on {paths} (tolerance {check['tolerance']:g}, "
+            f"{check['quantization'] or 'unquantized'} {check['compute_dtype']} on {check['device']}"
+            f"{f', probes past its {window}-token window' if window else ''})"
         )
 
 
