@@ -53,13 +53,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from trainer.heap import MMAP_THRESHOLD as HEAP_MMAP_THRESHOLD
+from trainer.model import LOGIT_CHUNK
 from trainer.spec import Hyperparameters
 
 GIB = 1 << 30
 MIB = 1 << 20
-
-LOGIT_CHUNK = 1024
-"""trainer.model.LOGIT_CHUNK (kept equal by a unit test: this module imports no torch)."""
 
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 """4 bits per weight, one 8-bit absmax per 64-weight block, one fp32 absmax per 256 blocks."""
@@ -74,10 +73,9 @@ CPU_RUNTIME_BYTES = 310 * MIB
 CUDA_CONTEXT_BYTES = 600 * MIB
 """The CUDA context, cuBLAS workspace and kernels of one process on its GPU (typical; not measured here)."""
 
-HEAP_MMAP_THRESHOLD = 1 << 20
-"""trainer.heap.MMAP_THRESHOLD: on the CPU, blocks at least this large are mapped on their own."""
-
 STEP_OVERHEAD_BYTES = {"cpu": 8 * MIB, "cuda": 64 * MIB}
+
+_DEFAULTS = Hyperparameters()
 """What a first step allocates besides its tensors (autograd engine, kernels' scratch, allocator slack)."""
 
 Device = Literal["cuda", "cpu"]
@@ -251,8 +249,9 @@ class MemoryEstimate:
 
 
 def estimate(shape: ModelShape, *, max_seq_len: int, method: str = "supervised", world_size: int = 1,
-             fsdp: bool = False, gradient_checkpointing: bool = True, lora_r: int = 16,
-             target_modules: str | list[str] = "all-linear", lora_dropout: float = 0.05,
+             fsdp: bool = False, gradient_checkpointing: bool = _DEFAULTS.gradient_checkpointing,
+             lora_r: int = _DEFAULTS.lora_r, target_modules: str | list[str] = _DEFAULTS.target_modules,
+             lora_dropout: float = _DEFAULTS.lora_dropout,
              device: Device = "cuda", row_tokens: int | None = None, trained: int | None = None,
              dense_mask: bool = False) -> MemoryEstimate:
     """One rank's peak memory for a job on ``shape``.

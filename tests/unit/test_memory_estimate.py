@@ -59,13 +59,17 @@ def test_terms_move_the_way_the_trainer_allocates() -> None:
     assert cpu.mapped == 49152 * 576 * 4 and cpu.runtime == memory.CPU_RUNTIME_BYTES  # fp32 file: mapped
 
 
-def test_logit_chunk_and_heap_threshold_are_the_trainers() -> None:
-    pytest.importorskip("torch")
-    from trainer.model import LOGIT_CHUNK
+def test_the_gateway_can_import_the_estimate_without_torch() -> None:
+    """trainer.memory takes the trainer's own LOGIT_CHUNK and heap threshold (imported, not copied), and
+    importing it (as the gateway does) loads neither torch nor transformers."""
+    import subprocess
+    import sys
 
-    assert memory.LOGIT_CHUNK == LOGIT_CHUNK
-    heap = pytest.importorskip("trainer.heap")
-    assert memory.HEAP_MMAP_THRESHOLD == heap.MMAP_THRESHOLD
+    code = ("import sys, trainer.memory as m, trainer.model as t, trainer.heap as h; "
+            "assert m.LOGIT_CHUNK == t.LOGIT_CHUNK and m.HEAP_MMAP_THRESHOLD == h.MMAP_THRESHOLD; "
+            "heavy = {'torch', 'transformers'} & set(sys.modules); assert not heavy, sorted(heavy)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
 
 
 def test_heap_term_only_for_blocks_below_the_mmap_threshold() -> None:
