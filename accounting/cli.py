@@ -10,7 +10,7 @@ import click
 from accounting.render import FORMATS, check_format, fairshare_text, usage_text
 from accounting.usage import GROUPINGS, UsageReport, usage_report
 from accounting.window import DATE_HELP, AccountingError, Window, make_window
-from gateway.cliutil import friendly_errors
+from gateway.cli.util import friendly_errors
 
 
 def _fetch_usage(window: Window, by: str, accounts: tuple[str, ...]) -> UsageReport:

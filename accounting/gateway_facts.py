@@ -56,8 +56,8 @@ def load_gateway_facts(database_url: str, window: Window) -> GatewayFacts | None
     from sqlmodel import Session, col, select
 
     from gateway.db import make_engine
-    from gateway.jobs.state import Cleanup
     from gateway.models import FineTuningJob, Tenant
+    from gateway.state import Cleanup
 
     if database_url.startswith("sqlite:///"):
         from pathlib import Path

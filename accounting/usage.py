@@ -25,8 +25,8 @@ from datetime import UTC, date, datetime, timedelta
 
 from accounting.gateway_facts import NOT_AVAILABLE, GatewayFacts
 from accounting.window import AccountingError, Window
-from gateway.jobs.state import SlurmState
 from gateway.slurm.records import AcctRecord
+from gateway.state import SlurmState
 
 GROUPINGS = ("tenant", "user", "qos", "day")
 UNKNOWN = "(unknown)"

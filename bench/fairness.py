@@ -69,11 +69,11 @@ from accounting.render import fairshare_text  # noqa: E402
 from accounting.usage import usage_report  # noqa: E402
 from accounting.window import Window  # noqa: E402
 from gateway.config import get_settings  # noqa: E402
-from gateway.jobs.state import SLURM_ACTIVE  # noqa: E402
 from gateway.slurm import JobScript, LocalRunner, SlurmClient  # noqa: E402
 from gateway.slurm.admin import Admin, unix_user_for  # noqa: E402
 from gateway.slurm.policy import QosTier  # noqa: E402
 from gateway.slurm.records import AcctRecord, Owner  # noqa: E402
+from gateway.state import SLURM_ACTIVE  # noqa: E402
 
 A, B = "t-fair-a", "t-fair-b"
 BENCH_QOS = QosTier(name="ft-bench", description="fairness bench: a whole node pair per user",

@@ -407,7 +407,7 @@ def run_a(workdir: Path, seconds: float, repeats: int, connections: int, workers
     dbs = {"sqlite": None, **({"postgresql": pg.url} if pg else {})}
     for db, url in dbs.items():
         if url is None:
-            from gateway.privsep import service_owned_dir
+            from gateway.cli.privsep import service_owned_dir
 
             url = f"sqlite:///{service_owned_dir(Settings(), f'bench-a-{os.getpid()}') / 'bench-a.db'}"
         token = onboard(url, [READ_TENANT])[READ_TENANT]

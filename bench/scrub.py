@@ -94,8 +94,8 @@ def local(total: int, shape: str, repeat: int) -> dict[str, list[float]]:
 
 def cluster(total: int) -> dict | None:
     """One real job leaving ``total`` bytes in its scratch; returns its epilog report."""
+    from gateway.devcluster.cluster import DevClusterConfig, short_hostname
     from gateway.slurm import LocalRunner
-    from gateway.slurm.devcluster import DevClusterConfig, short_hostname
 
     dev = DevClusterConfig(host=short_hostname())
     node = f"{dev.host}-n2"

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
 
-from gateway.jobs.state import JobState
+from gateway.state import JobState
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -122,7 +122,7 @@ class DataFile(SQLModel, table=True):
 
 class FineTuningJob(SQLModel, table=True):
     """A fine-tuning job. ``status`` changes only through gateway.services.jobs, which
-    applies gateway.jobs.state.transition under an optimistic ``version`` check."""
+    applies gateway.state.transition under an optimistic ``version`` check."""
 
     __tablename__ = "fine_tuning_jobs"
     __table_args__ = (sa.UniqueConstraint("tenant_id", "idempotency_key", name="uq_job_idempotency"),
@@ -314,7 +314,7 @@ class WebhookDelivery(SQLModel, table=True):
     event_type: str = Field(max_length=64)
     job_id: str = Field(max_length=40)
     body: str = Field(sa_type=sa.Text)
-    status: str = Field(default="pending", max_length=16, index=True)   # gateway.jobs.state.DeliveryState
+    status: str = Field(default="pending", max_length=16, index=True)   # gateway.state.DeliveryState
     attempts: int = 0
     next_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     last_status: int | None = None

@@ -11,9 +11,9 @@ from gateway.access.policy import Policy
 from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep, access
 from gateway.api.fastjson import FastJSON
 from gateway.errors import ServiceError
-from gateway.jobs.state import JobState
 from gateway.models import DataFile, FineTuningJob, JobCheckpoint, JobEvent
 from gateway.services import jobs as svc
+from gateway.state import JobState
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"], dependencies=[access(Policy.TENANT)])
 JOB_ID = r"^[A-Za-z0-9_-]{1,64}$"

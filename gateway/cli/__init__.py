@@ -9,7 +9,7 @@
   which runs on compute nodes too).
 
 Commands parse input, call one function, print; errors become one line through
-``gateway.cliutil.friendly_errors``. A group whose package is not installed is
+``gateway.cli.util.friendly_errors``. A group whose package is not installed is
 left out.
 """
 

@@ -1,8 +1,8 @@
 """Running the service: ``serve``, ``reconcile``, ``broker``, ``demo`` and ``dev-cluster``.
 
 Each builds its settings (``--local`` / ``--data-dir`` switch to local mode) and hands
-over to the composition root (``gateway.backend``), the API app, the storage broker or
-the demo; ``serve`` and ``reconcile`` drop root first (``gateway.privsep``).
+over to the composition root (``gateway.jobs.backend``), the API app, the storage broker or
+the demo; ``serve`` and ``reconcile`` drop root first (``gateway.cli.privsep``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from gateway.cliutil import friendly_errors
+from gateway.cli.util import friendly_errors
 from gateway.config import get_settings
 
 
@@ -29,7 +29,7 @@ def dev_cluster() -> None:
 @friendly_errors
 def dev_cluster_up() -> None:
     """Install what is missing, render configs, start the daemons, apply QOS tiers."""
-    from gateway.slurm.devcluster import DevCluster
+    from gateway.devcluster.cluster import DevCluster
 
     dc = DevCluster(echo=click.echo)
     seconds = dc.up()
@@ -40,7 +40,7 @@ def dev_cluster_up() -> None:
 @friendly_errors
 def dev_cluster_down() -> None:
     """Stop the daemons `up` started (and only those)."""
-    from gateway.slurm.devcluster import DevCluster
+    from gateway.devcluster.cluster import DevCluster
 
     stopped = DevCluster(echo=click.echo).down()
     click.echo("stopped: " + (", ".join(stopped) or "nothing was running"))
@@ -50,7 +50,7 @@ def dev_cluster_down() -> None:
 @friendly_errors
 def dev_cluster_status() -> None:
     """Daemons with their PIDs, and node states. Exit 1 if a recorded daemon is dead."""
-    from gateway.slurm.devcluster import DevCluster
+    from gateway.devcluster.cluster import DevCluster
 
     st = DevCluster(echo=click.echo).status()
     click.echo(json.dumps(st, indent=2))
@@ -64,7 +64,7 @@ def dev_cluster_status() -> None:
 
 
 def local_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``--local`` / ``--data-dir``: the same command in local mode (gateway/local.py)."""
+    """``--local`` / ``--data-dir``: the same command in local mode (gateway/slurm/local.py)."""
     fn = click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
                       help="Local mode's data (default ~/.local/share/slurm-finetune); implies --local.")(fn)
     return click.option("--local", is_flag=True,
@@ -81,7 +81,7 @@ def _settings(local: bool, data_dir: Path | None):  # type: ignore[no-untyped-de
         over["data_dir"] = data_dir
     settings = Settings(**over) if over else get_settings()
     if settings.local:
-        from gateway.local import banner, prepare
+        from gateway.slurm.local import banner, prepare
 
         prepare(settings)
         click.secho(banner(settings), fg="yellow", bold=True, err=True)
@@ -100,8 +100,8 @@ def serve(host: str, port: int, workers: int, log_level: str, local: bool, data_
     """Serve the HTTP API and portal (settings from SFT_* environment variables)."""
     import uvicorn
 
-    from gateway.api.app import create_app
-    from gateway.privsep import become_service_user
+    from gateway.app import create_app
+    from gateway.cli.privsep import become_service_user
 
     settings = _settings(local, data_dir)
     if settings.local:
@@ -116,13 +116,13 @@ def serve(host: str, port: int, workers: int, log_level: str, local: bool, data_
         import threading
 
         threading.Thread(target=reconciler.run, name="reconciler", daemon=True).start()
-    uvicorn.run("gateway.api.app:worker_app", factory=True, host=host, port=port, workers=workers,
+    uvicorn.run("gateway.app:worker_app", factory=True, host=host, port=port, workers=workers,
                 log_level=log_level)
 
 
 def _local_first_start(settings: Any, url: str) -> None:
     """Local mode's first start: tenant ``local`` and its token, saved where `finetune login` saves."""
-    from gateway.local import onboard
+    from gateway.slurm.local import onboard
     from gateway.usercli import save_credentials
 
     token = onboard(settings, "local")
@@ -145,7 +145,7 @@ def _local_first_start(settings: Any, url: str) -> None:
 
 
 def _reconciler(settings):  # type: ignore[no-untyped-def]
-    from gateway.backend import build_backend
+    from gateway.jobs.backend import build_backend
 
     reconciler = build_backend(settings).reconciler
     if reconciler is None:
@@ -158,7 +158,7 @@ def _reconciler(settings):  # type: ignore[no-untyped-def]
 @friendly_errors
 def reconcile(once: bool) -> None:
     """Run the reconciler alone (when the API runs elsewhere or with several workers)."""
-    from gateway.privsep import become_service_user
+    from gateway.cli.privsep import become_service_user
 
     settings = get_settings()
     become_service_user(settings)
@@ -203,6 +203,6 @@ def demo(tiny: bool, local: bool, data_dir: Path | None) -> None:
     """End-to-end walk-through: tenant, base model, dataset, QLoRA job, before/after.
 
     On the dev cluster (root), or with --local as an ordinary user without Slurm."""
-    from gateway.demo import run_demo
+    from gateway.cli.demo import run_demo
 
     sys.exit(run_demo(_settings(local, data_dir), echo=click.echo, tiny=tiny))

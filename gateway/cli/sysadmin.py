@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from gateway.cliutil import friendly_errors
+from gateway.cli.util import friendly_errors
 from gateway.config import get_settings
 from gateway.slurm import make_runner
 
@@ -302,8 +302,8 @@ def qos_apply(policy: str | None, dry_run: bool) -> None:
 @friendly_errors
 def admin_nodes(as_json: bool, last: int, report_dir: Path | None) -> None:
     """Drained or down nodes with Slurm's reason, and the last scrub results per node."""
-    from gateway.scrub import DEFAULT_REPORT_DIR, latest_reports
     from gateway.slurm.client import SlurmClient
+    from gateway.slurm.scrubreports import DEFAULT_REPORT_DIR, latest_reports
 
     nodes = SlurmClient(make_runner()).drained_nodes()
     scrubs = latest_reports(report_dir or DEFAULT_REPORT_DIR, per_node=last)

@@ -28,11 +28,8 @@ from gateway.config import Settings
 from gateway.errors import ServiceError, SlurmError
 from gateway.jobs import detectors
 from gateway.jobs.leader import Lease, LeaseLost
-from gateway.jobs.scheduler import Scheduler
-from gateway.jobs.state import Action, Cleanup, Event, FailReason, JobState, SlurmState, decide, from_slurm
 from gateway.jobs.tenantcalls import Round, TenantCalls
 from gateway.models import FineTuningJob, Tenant, utcnow
-from gateway.scrub import ScrubReportError, read_report, report_path
 from gateway.services import jobs as job_service
 from gateway.services import webhooks
 from gateway.services.jobs import StaleJob, add_event, apply_event, update_fields
@@ -42,6 +39,9 @@ from gateway.services.publication import publish_attempt
 from gateway.services.recovery import resubmittable_spec
 from gateway.slurm.client import JobStatus
 from gateway.slurm.records import Owner, SlurmParseError, expand_nodelist
+from gateway.slurm.scheduler import Scheduler
+from gateway.slurm.scrubreports import ScrubReportError, read_report, report_path
+from gateway.state import Action, Cleanup, Event, FailReason, JobState, SlurmState, decide, from_slurm
 from gateway.storage import storage_for
 from gateway.storage.layout import unix_user_for
 

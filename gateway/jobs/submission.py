@@ -10,12 +10,12 @@ from typing import Any
 
 from gateway.config import Settings
 from gateway.errors import ServiceError
-from gateway.jobs.scheduler import Scheduler
 from gateway.models import FineTuningJob
 from gateway.services import jobs as job_service
 from gateway.slurm.admin import Admin, unix_user_for
 from gateway.slurm.records import Owner
 from gateway.slurm.render import JobScript
+from gateway.slurm.scheduler import Scheduler
 from gateway.storage import TenantRunner, storage_for
 
 Submit = job_service.Submit        # the seam services call; Submitter is its implementation
@@ -59,7 +59,7 @@ class Submitter:
         """The QOS tiers the tenant's account may use (cached ``qos_ttl_s``); local mode's one ``local``.
         Raises KeyError for a tenant without a Slurm account."""
         if self.settings.local:
-            from gateway.local import QOS
+            from gateway.slurm.local import QOS
 
             return (QOS,)
         with self._lock:

@@ -15,7 +15,6 @@ from gateway.access.policy import Policy
 from gateway.api.deps import SessionDep, SettingsDep
 from gateway.config import Settings
 from gateway.errors import NotFound, ServiceError
-from gateway.jobs.state import Cleanup, JobState
 from gateway.models import DataFile, FileStatus, FineTuningJob
 from gateway.portal.datasets import DATASETS, catalog_names
 from gateway.portal.jobviews import (
@@ -31,6 +30,7 @@ from gateway.portal.session import PortalUser, check_csrf
 from gateway.portal.web import PortalRoute, UserDep, env, portal_access, render
 from gateway.services import files as files_svc
 from gateway.services import jobs as svc
+from gateway.state import Cleanup, JobState
 
 router = APIRouter(prefix="/portal/jobs", route_class=PortalRoute, include_in_schema=False,
                    dependencies=[portal_access(Policy.TENANT)])

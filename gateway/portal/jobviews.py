@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
-from gateway.jobs.state import ACTIVE, JobState
 from gateway.models import FineTuningJob, JobEvent
 from gateway.services.jobs import BASE_LEARNING_RATE, DEFAULT_EPOCHS, METHODS, JobRequest
+from gateway.state import ACTIVE, JobState
 
 ACTIVE_STATES = frozenset(s.value for s in ACTIVE)
 BADGES: dict[str, str] = {JobState.VALIDATING_FILES: "wait", JobState.QUEUED: "wait",

@@ -18,10 +18,10 @@ from gateway.errors import ClusterError, ServiceError, SlurmError
 if TYPE_CHECKING:
     from accounting.fairshare import FairshareReport
     from accounting.usage import UsageReport
-    from gateway.scrub import ScrubReport
     from gateway.slurm.admin import Tenant
     from gateway.slurm.policy import QosRow
     from gateway.slurm.records import DrainedNode
+    from gateway.slurm.scrubreports import ScrubReport
 
 
 def require_cluster(client: Any) -> Any:
@@ -46,7 +46,7 @@ class ClusterOverview:
 def cluster_overview(client: Any, settings: Settings) -> ClusterOverview:
     """Drained or down nodes with Slurm's reason (sinfo) and the newest scrub reports per node.
     Never raises for Slurm: a missing client or a failed sinfo is reported in ``error``."""
-    from gateway.scrub import latest_reports
+    from gateway.slurm.scrubreports import latest_reports
 
     nodes: list[DrainedNode] = []
     error = None

@@ -12,8 +12,8 @@ from gateway.access.tokens import Principal
 from gateway.config import Settings
 from gateway.datasets.validation import Validator
 from gateway.errors import Conflict, Forbidden, NotFound
-from gateway.jobs.state import ACTIVE, JobState
 from gateway.models import DataFile, FileStatus, FineTuningJob, utcnow
+from gateway.state import ACTIVE, JobState
 from gateway.storage import TenantStorage, layout, storage_for
 
 if TYPE_CHECKING:

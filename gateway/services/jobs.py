@@ -24,9 +24,9 @@ from sqlmodel import Session, col, select
 from gateway.access.tokens import Principal
 from gateway.config import Settings
 from gateway.errors import Conflict, NotFound, ServiceError, TooManyJobs
-from gateway.jobs.state import ACTIVE, TERMINAL, Event, FailReason, JobState, transition
 from gateway.models import DataFile, FileStatus, FineTuningJob, JobCheckpoint, JobEvent, Tenant, utcnow
 from gateway.services.files import get_file
+from gateway.state import ACTIVE, TERMINAL, Event, FailReason, JobState, transition
 from gateway.storage import layout
 
 if TYPE_CHECKING:

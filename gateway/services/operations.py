@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
-from gateway.jobs.state import JobState
 from gateway.models import FineTuningJob, Tenant
+from gateway.state import JobState
 
 
 @dataclass(frozen=True)

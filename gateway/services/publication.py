@@ -1,11 +1,11 @@
 """Publication of a completed attempt: the transaction that makes a job succeeded.
 
-Owns the sequence ``gateway.jobs.publish`` describes: the broker builds and verifies the
+Owns the sequence ``gateway.services.publish`` describes: the broker builds and verifies the
 results as the tenant (``publish_build``), the eval gate and ``check_results`` judge
 what came back, the result ``DataFile`` rows and the PUBLISHED transition are recorded,
 ``publish_commit`` renames the build dir into ``artifacts/<id>/`` and the session
 commits; on any failure it rolls back and removes what was built. Imports the models,
-``gateway.jobs.publish``, ``services.jobs`` and storage's verbs and layout; the reconciler calls
+``gateway.services.publish``, ``services.jobs`` and storage's verbs and layout; the reconciler calls
 ``publish_attempt`` for a job in PUBLISHING.
 """
 
@@ -18,11 +18,11 @@ from sqlmodel import Session, col, select
 
 from gateway.config import Settings
 from gateway.errors import Conflict, ServiceError
-from gateway.jobs import publish
-from gateway.jobs.state import Cleanup, Event, FailReason
 from gateway.models import DataFile, FineTuningJob, JobCheckpoint, new_id, utcnow
 from gateway.services import jobs as jobs_svc
+from gateway.services import publish
 from gateway.services.jobs import apply_event
+from gateway.state import Cleanup, Event, FailReason
 from gateway.storage import Storage, layout
 
 log = logging.getLogger(__name__)

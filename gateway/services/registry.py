@@ -18,8 +18,8 @@ from sqlmodel import Session, select
 from gateway.access import audit
 from gateway.access.tokens import Principal
 from gateway.errors import Conflict, NotFound, ServiceError
-from gateway.jobs.state import JobState
 from gateway.models import FineTuningJob, ModelAlias, utcnow
+from gateway.state import JobState
 
 ALIAS = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
 

@@ -23,9 +23,9 @@ from sqlmodel import Session, col, select
 from gateway.access.tokens import Principal
 from gateway.config import Settings
 from gateway.errors import NotFound, ServiceError
-from gateway.jobs.state import ACTIVE, Event, FailReason, JobState, SweepState
 from gateway.models import FineTuningJob, Sweep, new_id, utcnow
 from gateway.services import jobs as jobs_svc
+from gateway.state import ACTIVE, Event, FailReason, JobState, SweepState
 
 log = logging.getLogger(__name__)
 

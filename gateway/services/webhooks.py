@@ -42,9 +42,9 @@ from gateway.access import audit
 from gateway.access.tokens import Principal
 from gateway.config import Settings
 from gateway.errors import NotFound, ServiceError
-from gateway.jobs.state import DeliveryState, JobState
 from gateway.models import FineTuningJob, Tenant, WebhookDelivery, WebhookEndpoint, utcnow
 from gateway.services import netguard
+from gateway.state import DeliveryState, JobState
 
 log = logging.getLogger(__name__)
 

@@ -22,12 +22,12 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from gateway.errors import SlurmError
-from gateway.jobs.state import SLURM_ACTIVE, state_word
-from gateway.jobs.state import SlurmState as S
 from gateway.slurm import records as rec
 from gateway.slurm.render import JobScript, render_array, render_sbatch
 from gateway.slurm.runner import DEFAULT_TIMEOUT_S, CommandResult, Runner, SlurmCommandError
 from gateway.slurm.validate import validate_job_name, validate_unix_name
+from gateway.state import SLURM_ACTIVE, state_word
+from gateway.state import SlurmState as S
 
 log = logging.getLogger(__name__)
 

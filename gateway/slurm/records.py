@@ -16,8 +16,8 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from gateway.errors import SlurmError
-from gateway.jobs.state import SlurmState
 from gateway.slurm.validate import validate_unix_name
+from gateway.state import SlurmState
 
 # ASCII unit separator: cannot occur in account, user, QOS or job names.
 DELIM = "\x1f"

@@ -10,8 +10,8 @@ from typing import Any
 
 import click
 
-from gateway.jobs.state import TERMINAL as TERMINAL_STATES
-from gateway.jobs.state import JobState
+from gateway.state import TERMINAL as TERMINAL_STATES
+from gateway.state import JobState
 from gateway.usercli.client import Unreachable, _echo_json, _when, call
 
 TERMINAL = tuple(s.value for s in JobState if s in TERMINAL_STATES)

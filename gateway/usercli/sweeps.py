@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from gateway.jobs.state import JobState
+from gateway.state import JobState
 from gateway.usercli.client import _echo_json, call
 from gateway.usercli.jobs import _parse_hp
 

@@ -334,8 +334,8 @@ def test_root_never_follows_a_link_planted_beside_the_database(gw: LiveGateway, 
     side files goes (to a root file, or to a name root would create) must not make root (the admin CLI
     opening the database) create, chmod, chown or write the link's target: the open is refused,
     naming the link, before SQLite opens anything; without the link the database opens as before."""
+    from gateway.cli.privsep import service_owned_dir
     from gateway.db import UnsafeDatabaseFile, make_engine, migrate
-    from gateway.privsep import service_owned_dir
 
     d = service_owned_dir(Settings(), f"test-planted-{os.getpid()}-{target}{suffix}")
     link = d / f"gw.db{suffix}"

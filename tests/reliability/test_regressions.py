@@ -90,7 +90,7 @@ def test_gateway_killed_before_spec_json_resubmits_from_the_row(tmp_path, monkey
     from gateway.jobs.reconciler import Reconciler
     from gateway.models import DataFile, FineTuningJob, Tenant, utcnow
     from gateway.slurm import JobScript, SlurmClient
-    from gateway.slurm.fake import FakeSlurm
+    from tests.slurmfake import FakeSlurm
 
     settings = Settings(storage_root=tmp_path / "s", database_url=f"sqlite:///{tmp_path / 'g.db'}",
                         submission_grace_s=0)
@@ -193,7 +193,7 @@ def test_recovery_never_races_a_submission_still_in_flight(tmp_path) -> None:  #
     from gateway.jobs.reconciler import Reconciler
     from gateway.models import DataFile, FineTuningJob, Tenant, utcnow
     from gateway.slurm import SlurmClient
-    from gateway.slurm.fake import FakeSlurm
+    from tests.slurmfake import FakeSlurm
 
     settings = Settings(storage_root=tmp_path / "s", database_url=f"sqlite:///{tmp_path / 'g.db'}",
                         submission_grace_s=30, slurm_timeout_s=60)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.scrub import ScrubReportError, latest_reports, read_report
-from gateway.slurm.devcluster import DevClusterConfig, render_configs, render_wrappers
+from gateway.devcluster.cluster import DevClusterConfig, render_configs, render_wrappers
+from gateway.slurm.scrubreports import ScrubReportError, latest_reports, read_report
 from scrubber import checks, files, runtime
 from scrubber.checks import Scrub, Status, Step, Verdict, ok
 from scrubber.config import ScrubConfig, ScrubConfigError

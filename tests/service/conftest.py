@@ -25,7 +25,7 @@ from fastapi.testclient import TestClient
 from sqlmodel import Session
 
 from gateway.access.tokens import create_token
-from gateway.api.app import create_app
+from gateway.app import create_app
 from gateway.config import Settings
 from gateway.db import make_engine, migrate
 from gateway.models import Role

@@ -177,7 +177,7 @@ def test_portal_page_that_cannot_parse_its_body_shows_an_error_page(gw: Gateway,
 
 # ----------------------------------------------------------------- live uvicorn
 class Uvicorn:
-    """``uvicorn gateway.api.app:worker_app --factory`` on a fresh SQLite database."""
+    """``uvicorn gateway.app:worker_app --factory`` on a fresh SQLite database."""
 
     def __init__(self, tmp: Path):
         self._storage = tenant_storage_root()
@@ -198,7 +198,7 @@ class Uvicorn:
             s.commit()
         engine.dispose()
         self.log = open(tmp / "uvicorn.log", "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "gateway.api.app:worker_app", "--factory",
+        self.proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "gateway.app:worker_app", "--factory",
                                       "--port", str(self.port), "--log-level", "warning"],
                                      cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
         wait_port(self.port, 60)

@@ -34,8 +34,8 @@ LIMIT = 256 * 1024 * 1024
 
 class Live:
     def __init__(self, tmp: Path, storage: Path):
+        from gateway.cli.privsep import service_owned_dir
         from gateway.config import Settings
-        from gateway.privsep import service_owned_dir
 
         self.storage = storage
         onboard_storage(storage, TENANT_A, TENANT_B)

@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from sqlmodel import Session, func, select
 
 from gateway.access.tokens import create_token, revoke_token
-from gateway.api.app import create_app
+from gateway.app import create_app
 from gateway.config import Settings
 from gateway.models import ApiToken, PortalSession, Role
 from gateway.portal.session import COOKIE, LOGIN_COOKIE, load_secret, sign
@@ -230,7 +230,7 @@ def test_live_workers_share_sessions_and_sign_out_reaches_every_worker(tmp_path:
     engine.dispose()
     port = _free_port()
     log = open(tmp_path / "uvicorn.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "gateway.api.app:worker_app", "--factory",
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "gateway.app:worker_app", "--factory",
                              "--workers", "2", "--port", str(port), "--log-level", "warning"],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -22,10 +22,10 @@ from sqlmodel import Session, select
 
 from gateway.access.tokens import create_token
 from gateway.config import Settings
-from gateway.jobs.state import JobState
 from gateway.models import FineTuningJob, Role, Tenant, WebhookDelivery
 from gateway.services import netguard, webhooks
 from gateway.services.tenants import ensure_tenant
+from gateway.state import JobState
 from tests.service.conftest import TENANT_A, TENANT_B, Gateway, chat_lines
 from tests.webhook_receiver import Receiver
 

@@ -58,8 +58,8 @@ class LiveGateway:
 
     def __init__(self, workdir: Path, tenants: tuple[str, ...], db_url: str | None = None, **env: str):
         ensure_tiny_model()
+        from gateway.cli.privsep import service_owned_dir
         from gateway.config import Settings
-        from gateway.privsep import service_owned_dir
 
         self.workdir = workdir
         self.port = free_port()

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from gateway.slurm.devcluster import DevCluster
+from gateway.devcluster.cluster import DevCluster
 
 pytestmark = pytest.mark.slurm
 

@@ -25,9 +25,9 @@ import pytest
 from click.testing import CliRunner
 
 from gateway.cli import main as cli
+from gateway.devcluster.cluster import DevClusterConfig, short_hostname
 from gateway.slurm import SlurmClient
 from gateway.slurm.admin import Admin, unix_user_for
-from gateway.slurm.devcluster import DevClusterConfig, short_hostname
 from tests.slurm.conftest import finished, job_dir, wait_for, wait_output
 
 pytestmark = pytest.mark.slurm

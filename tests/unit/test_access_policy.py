@@ -20,8 +20,8 @@ from gateway.access.policy import (
     tenant_read,
     undeclared_routes,
 )
-from gateway.api.app import create_app
 from gateway.api.deps import access
+from gateway.app import create_app
 from gateway.config import Settings
 from gateway.models import Role
 

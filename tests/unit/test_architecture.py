@@ -45,7 +45,8 @@ def _violations(path: Path) -> list[str]:
 
 # Reviewed exceptions: each starts our own code, never a Slurm binary.
 ALLOWED = {"gateway/storage/launch.py": "starts the storage broker daemon (python -m gateway.storage.broker)",
-           "gateway/local.py": "local mode: the job's trainer, inside submitit's LocalExecutor task"}
+           "gateway/slurm/local.py": "local mode: the job's trainer, inside submitit's LocalExecutor task",
+           "gateway/devcluster/cluster.py": "the dev cluster: starts MariaDB and Slurm's daemons on this host"}
 
 
 def test_only_gateway_slurm_runs_processes() -> None:
@@ -328,7 +329,7 @@ def test_the_rule_itself_catches_a_session_write(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------- state names
 def _state_words() -> set[str]:
-    from gateway.jobs.state import JobState, SlurmState
+    from gateway.state import JobState, SlurmState
 
     return {s.value for s in JobState} | {s.value for s in SlurmState}
 
@@ -337,9 +338,9 @@ def _state_words() -> set[str]:
 ALLOWED_STATE_WORDS = {
     "gateway/services/progress.py:failed": "a trainer event type (events.jsonl), not a job state",
     "gateway/storage/__init__.py:failed": "the fallback text of a broker error",
-    "gateway/local.py:RUNNING": "submitit's own LocalJob.state word, not Slurm's",
+    "gateway/slurm/local.py:RUNNING": "submitit's own LocalJob.state word, not Slurm's",
 }
-PLAYS_SLURM = {"gateway/jobs/state.py", "gateway/slurm/fake.py"}   # the vocabulary itself; the argv fake
+PLAYS_SLURM = {"gateway/state.py", "tests/slurmfake.py"}   # the vocabulary itself; the argv fake
 
 
 def state_word_literals(path: Path, words: set[str]) -> list[tuple[str, int, str]]:
@@ -365,8 +366,8 @@ def test_state_names_are_spelled_only_in_jobs_state() -> None:
             if key in ALLOWED_STATE_WORDS:
                 used.add(key)
             else:
-                bad.append(f"{rel}:{line} spells {word!r}: use gateway.jobs.state (JobState / SlurmState)")
-    assert bad == [], "state names outside gateway/jobs/state.py:\n" + "\n".join(bad)
+                bad.append(f"{rel}:{line} spells {word!r}: use gateway.state (JobState / SlurmState)")
+    assert bad == [], "state names outside gateway/state.py:\n" + "\n".join(bad)
     assert used == set(ALLOWED_STATE_WORDS), f"stale ALLOWED_STATE_WORDS: {set(ALLOWED_STATE_WORDS) - used}"
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from gateway.jobs.publish import PublishError, check_results
+from gateway.services.publish import PublishError, check_results
 from gateway.storage import layout
 from gateway.storage.verbs import _Concat, peft_header
 

@@ -6,9 +6,9 @@ import pytest
 
 from gateway.slurm import JobScript, SlurmClient, SlurmCommandError
 from gateway.slurm.client import NotOurs
-from gateway.slurm.fake import FakeSlurm
 from gateway.slurm.records import Owner
 from gateway.slurm.validate import InvalidNameError
+from tests.slurmfake import FakeSlurm
 
 ACME, BETA = Owner("sft-acme", "acme"), Owner("sft-beta", "beta")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.slurm.devcluster import DevClusterConfig, render_configs
+from gateway.devcluster.cluster import DevClusterConfig, render_configs
 
 
 def test_configs_follow_the_hostname() -> None:

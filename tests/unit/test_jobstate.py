@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from gateway.jobs.state import (
+from gateway.state import (
     ACTIVE,
     TERMINAL,
     TRANSITIONS,

@@ -16,11 +16,11 @@ from gateway.config import Settings
 from gateway.db import make_engine, migrate
 from gateway.errors import StorageUnavailable
 from gateway.jobs.reconciler import Reconciler, fine_tuned_model_name
-from gateway.jobs.state import JobState
 from gateway.models import DataFile, FineTuningJob, JobCheckpoint, JobEvent, Tenant, utcnow
 from gateway.slurm import JobScript, SlurmClient, SlurmCommandError
-from gateway.slurm.fake import FakeSlurm
+from gateway.state import JobState
 from gateway.storage.layout import RESULT_NAMES, tenant_root
+from tests.slurmfake import FakeSlurm
 
 
 @pytest.fixture

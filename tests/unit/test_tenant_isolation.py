@@ -25,10 +25,10 @@ from gateway.jobs.reconciler import Reconciler
 from gateway.jobs.tenantcalls import TenantCalls
 from gateway.models import FineTuningJob, Tenant
 from gateway.slurm import SlurmClient
-from gateway.slurm.fake import FakeSlurm
 from gateway.storage import SUBMIT_MARGIN_S, VERB_TIMEOUT_S
 from gateway.storage import Storage as GatewayStorage
 from gateway.storage.broker import REPLY_GRACE_S, REPORT, Children, recv_msg, send_msg
+from tests.slurmfake import FakeSlurm
 
 WAIT_S = 2.0      # generous: the suite runs on 2 busy cores; a healthy call answers in ms
 

@@ -36,10 +36,10 @@ from typing import Any
 
 from gateway.config import Settings
 from gateway.errors import SlurmError
-from gateway.jobs.state import SlurmState as S
 from gateway.slurm import records as rec
 from gateway.slurm.client import CancelResult, JobStatus
 from gateway.slurm.render import JobScript
+from gateway.state import SlurmState as S
 
 BANNER = ("LOCAL MODE: jobs run as {user} on this machine, without Slurm. Tenant isolation, fairshare/QOS "
           "and node scrubbing are OFF: every tenant's data belongs to {user}. For trying slurm-finetune "

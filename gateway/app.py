@@ -33,7 +33,7 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
     from fastapi.staticfiles import StaticFiles
 
     from gateway.api import files, jobs, metrics, models, registry, staff, sweeps, webhooks
-    from gateway.backend import build_backend
+    from gateway.jobs.backend import build_backend
     from gateway.portal import STATIC_DIR, STATIC_URL
     from gateway.portal import router as portal_router
 

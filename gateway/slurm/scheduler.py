@@ -1,5 +1,5 @@
 """The seam between a job's life and what runs it: ``SlurmClient`` (the cluster) and
-``gateway.local.LocalScheduler`` (local mode) both satisfy ``Scheduler``; the reconciler,
+``gateway.slurm.local.LocalScheduler`` (local mode) both satisfy ``Scheduler``; the reconciler,
 the Submitter and the composition root see only this."""
 
 from __future__ import annotations

