@@ -221,8 +221,8 @@ def run_ours(job: dict[str, Any]) -> dict[str, Any]:
     import trainer.dpo
     import trainer.model
     import trainer.recipe
+    from trainer.contract.spec import parse_spec
     from trainer.recipe import Recipe, StopFlag
-    from trainer.spec import parse_spec
 
     if ours_on_sdpa(torch.cuda.is_available(), job):  # TRL's padded batches get no varlen kernel: one kernel for both
         trainer.model.attention_implementation = lambda device, max_seq_len: "sdpa"
@@ -391,9 +391,9 @@ def score_adapters(job: dict[str, Any]) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     torch.set_num_threads(job["threads"])
+    from trainer.contract.spec import parse_spec
     from trainer.dpo import eval_pair_sums, pair_rows, preference_metrics, reference_logps
     from trainer.model import add_lora, load_base_model
-    from trainer.spec import parse_spec
 
     pairs = tokenized_pairs(job, "val")
     capacity = job["step_tokens"]

@@ -263,8 +263,8 @@ def fsdp_run(job: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(job["threads"])
+    from trainer.contract.spec import parse_spec
     from trainer.recipe import Recipe, StopFlag
-    from trainer.spec import parse_spec
 
     spec = {**bt.our_spec(job), "fsdp": job["fsdp"]}
     recipe = Recipe(parse_spec(spec), 0, StopFlag())

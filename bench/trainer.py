@@ -49,7 +49,7 @@ if str(REPO) not in sys.path:
 
 def _production_dropout() -> float:
     """The job spec's default ``lora_dropout``: what production trains SFT with (DPO: none, see bench/dpo.py)."""
-    from trainer.spec import Hyperparameters
+    from trainer.contract.spec import Hyperparameters
 
     return float(Hyperparameters.model_fields["lora_dropout"].default)
 
@@ -246,8 +246,8 @@ def run_ours(job: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(job["threads"])
+    from trainer.contract.spec import parse_spec
     from trainer.recipe import Recipe, StopFlag
-    from trainer.spec import parse_spec
 
     recipe = Recipe(parse_spec(our_spec(job)), 0, StopFlag())
     recipe.setup()

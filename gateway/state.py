@@ -142,7 +142,7 @@ class SlurmView:
     message: str | None = None
 
 
-# trainer exit codes (trainer/exitcodes.py) → failure reasons
+# trainer exit codes (trainer/contract/exitcodes.py) → failure reasons
 _EXIT_REASONS = {65: (FailReason.USER_ERROR, "the dataset or job spec was rejected by the trainer"),
                  78: (FailReason.USER_ERROR, "the base model is missing or does not match its digest"),
                  76: (FailReason.NODE_FAIL, "a rank of the job was lost (a process died or a node failed) "

@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint import fsync_dir, write_atomic
-from trainer.errors import CatalogError, ModelDigestError
+from trainer.contract.errors import CatalogError, ModelDigestError
+from trainer.contract.spec import DEFAULT_CATALOG_ROOT, NAME_PATTERN
 from trainer.packcheck import check_packing, load_config
-from trainer.spec import DEFAULT_CATALOG_ROOT, NAME_PATTERN
 
 INDEX = "index.json"
 VERIFIED_FAMILIES = frozenset({

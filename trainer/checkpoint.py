@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
-from trainer.errors import CheckpointError
+from trainer.contract.errors import CheckpointError
 
 COMPLETE = "COMPLETE"
 _STEP_DIR = re.compile(r"^step-(\d+)$")

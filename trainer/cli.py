@@ -13,9 +13,10 @@ from pathlib import Path
 
 import click
 
-from trainer import catalog, exitcodes
-from trainer.errors import TrainerError
-from trainer.spec import DEFAULT_CATALOG_ROOT
+from trainer import catalog
+from trainer.contract import exitcodes
+from trainer.contract.errors import TrainerError
+from trainer.contract.spec import DEFAULT_CATALOG_ROOT
 
 _ROOT = click.option(
     "--root",
@@ -43,10 +44,10 @@ def main() -> None:
 @main.command("run")
 @click.argument("spec_path", type=click.Path(dir_okay=False, path_type=Path))
 def run_cmd(spec_path: Path) -> None:
-    """Run (or resume) the training job described by SPEC_PATH; exit code per trainer.exitcodes."""
+    """Run (or resume) the training job described by SPEC_PATH; exit code per trainer.contract.exitcodes."""
+    from trainer.contract.spec import load_spec
     from trainer.distributed import World
     from trainer.jobenv import attempt_number
-    from trainer.spec import load_spec
 
     try:
         world = World.from_env()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from trainer.errors import DatasetError
+from trainer.contract.errors import DatasetError
 from trainer.packing import Example, mask_from_spans, mask_runs
 
 ROLES = frozenset({"system", "user", "assistant"})

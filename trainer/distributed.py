@@ -32,7 +32,7 @@ With one rank (every job before data parallelism) nothing here imports
 ``torch.distributed`` and every helper returns at once: today's behaviour
 exactly. With several, a collective that waits longer than
 :data:`TIMEOUT_S` (``SFT_DIST_TIMEOUT_S``) for a rank, or finds one gone,
-raises :class:`~trainer.errors.PeerError`, so no rank hangs forever on a dead
+raises :class:`~trainer.contract.errors.PeerError`, so no rank hangs forever on a dead
 peer (srun ``--kill-on-bad-exit`` ends the others anyway).
 
 Dropout: every rank reseeds torch's RNG before each optimizer step with
@@ -51,7 +51,7 @@ import signal
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from trainer.errors import LaunchError, PeerError
+from trainer.contract.errors import LaunchError, PeerError
 
 if TYPE_CHECKING:
     import torch

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainer.contract.errors import DatasetError
 from trainer.data import ROLES, ChatTokenizer, Conversation, read_jsonl, tokenize_conversation
-from trainer.errors import DatasetError
 from trainer.packing import Example, Row, build_row, pack
 
 if TYPE_CHECKING:

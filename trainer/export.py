@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint import fsync_dir
-from trainer.errors import ExportError
+from trainer.contract.errors import ExportError
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"

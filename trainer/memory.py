@@ -53,9 +53,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from trainer.contract.spec import Hyperparameters
 from trainer.heap import MMAP_THRESHOLD as HEAP_MMAP_THRESHOLD
 from trainer.model import LOGIT_CHUNK
-from trainer.spec import Hyperparameters
 
 GIB = 1 << 30
 MIB = 1 << 20

@@ -46,9 +46,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.errors import GpuUnavailableError
+from trainer.contract.errors import GpuUnavailableError
+from trainer.contract.spec import Hyperparameters
 from trainer.packing import IGNORE, Example, Row, micro_batches, sequence_bounds
-from trainer.spec import Hyperparameters
 
 if TYPE_CHECKING:
     import torch

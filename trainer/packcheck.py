@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import CatalogError
+from trainer.contract.errors import CatalogError
 from trainer.packing import IGNORE, Example, Row, build_row
 
 PROBE_LENGTHS = (16, 12)

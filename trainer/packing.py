@@ -105,7 +105,7 @@ def idle_ranks(rows: list[int], world_size: int) -> str | None:
 
     A step's rows are dealt out ``rows[rank::world_size]``, so in such a step the ranks past its
     last row only wait. The plan is not widened here: steps must not depend on the world size (a
-    checkpoint resumes on any number of ranks, ``trainer.spec.checkpoint_hash``), so the gateway
+    checkpoint resumes on any number of ranks, ``trainer.contract.spec.checkpoint_hash``), so the gateway
     widens the default ``batch_size_tokens`` at create, recorded in the spec, or refuses an explicit
     one; what is left (a short last step of an epoch, examples that pack unevenly) is warned about.
     """

@@ -11,8 +11,8 @@ from __future__ import annotations
 import tarfile
 from typing import TYPE_CHECKING, Any
 
+from trainer.contract.errors import DatasetError
 from trainer.data import sha256_file
-from trainer.errors import DatasetError
 
 if TYPE_CHECKING:
     import torch

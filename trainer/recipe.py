@@ -53,11 +53,10 @@ from types import FrameType
 from typing import Any
 
 from trainer import checkpoint as ckpt
-from trainer import dpo, early_signals, exitcodes
+from trainer import dpo, early_signals
 from trainer.catalog import resolve
-from trainer.data import holdout_split, read_conversations, tokenize_all, verify_sha256
-from trainer.distributed import World, dropout_seed
-from trainer.errors import (
+from trainer.contract import exitcodes
+from trainer.contract.errors import (
     CheckpointError,
     DatasetError,
     DivergedError,
@@ -66,6 +65,9 @@ from trainer.errors import (
     PeerError,
     TrainerError,
 )
+from trainer.contract.spec import JobSpec, checkpoint_hash, spec_hash
+from trainer.data import holdout_split, read_conversations, tokenize_all, verify_sha256
+from trainer.distributed import World, dropout_seed
 from trainer.events import EventLog
 from trainer.heap import map_large_blocks
 from trainer.model import (
@@ -79,7 +81,6 @@ from trainer.model import (
     resolve_device,
 )
 from trainer.packing import Row, idle_ranks, micro_batches, plan, rows_per_step
-from trainer.spec import JobSpec, checkpoint_hash, spec_hash
 
 log = logging.getLogger("trainer")
 
@@ -788,7 +789,7 @@ def _exit_now(code: int) -> None:
 def run_job(spec: JobSpec, attempt: int, fast_exit: bool = True, world: World | None = None) -> int:
     """Run one attempt of a job on this rank of ``world`` (default: one process); return the exit code.
 
-    Exit codes: see ``trainer.exitcodes``; every rank of a data-parallel run
+    Exit codes: see ``trainer.contract.exitcodes``; every rank of a data-parallel run
     returns the same one unless a rank fails. On SIGUSR1/SIGTERM it checkpoints.
     With ``fast_exit`` (a real trainer process) it never returns: it leaves
     through ``os._exit`` once everything is fsynced, with no torch or gloo

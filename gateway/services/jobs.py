@@ -414,8 +414,8 @@ def memory_limit(settings: Settings) -> tuple[str, str, int | None]:
 
 def memory_check(settings: Settings, spec: dict[str, Any], shape: ModelShape) -> MemoryCheck:
     """The :class:`MemoryCheck` of a validated ``spec`` on a model of ``shape``."""
+    from trainer.contract.spec import parse_spec
     from trainer.memory import estimate_job
-    from trainer.spec import parse_spec
 
     job = parse_spec(spec)
     partition, device, limit = memory_limit(settings)
@@ -449,7 +449,7 @@ def widen_for_ranks(hp: dict[str, Any], method: str, gpus: int) -> str | None:
     however many ranks) see the same steps. When the request set it, ServiceError (400) with the
     figure: an explicit budget is the user's, not ours to change. None: nothing to do (or values
     the spec check refuses later)."""
-    from trainer.spec import Hyperparameters
+    from trainer.contract.spec import Hyperparameters
 
     defaults = Hyperparameters()
     seq = hp.get("max_seq_len", defaults.max_seq_len)
@@ -672,7 +672,7 @@ def _parent(session: Session, principal: Principal, model_id: str, hp: dict[str,
     Fills ``hp`` with the parent's LoRA shape (``LORA_SHAPE``) where the request leaves it out.
     Raises NotFound (404) for a model the tenant does not own (a foreign one included),
     ServiceError (400) when its adapter file is gone or the request asks for another LoRA shape."""
-    from trainer.spec import Hyperparameters
+    from trainer.contract.spec import Hyperparameters
 
     tid = tenant_id_of(principal)
     if CHECKPOINT_MODEL.fullmatch(model_id):
@@ -750,8 +750,8 @@ def job_spec(settings: Settings, tenant: str, job: FineTuningJob, train: DataFil
     it the same way); ``init``: the parent's adapter tar (continued training). ServiceError
     naming the field if it is invalid."""
     from gateway.services.files import file_parts
-    from trainer.errors import SpecError
-    from trainer.spec import parse_spec
+    from trainer.contract.errors import SpecError
+    from trainer.contract.spec import parse_spec
 
     hp = dict(job.hyperparameters or {})
     top = {k: hp.pop(k) for k in ("checkpoint_every_steps", "keep_checkpoints") if k in hp}
@@ -784,8 +784,8 @@ def job_spec(settings: Settings, tenant: str, job: FineTuningJob, train: DataFil
 def saved_spec_matches(saved: bytes | None, expected: dict[str, Any]) -> bool:
     """Whether a spec.json read back from tenant storage (untrusted: the tenant can rewrite it) is
     exactly the spec the gateway would write now: parsed and validated, then compared."""
-    from trainer.errors import SpecError
-    from trainer.spec import parse_spec
+    from trainer.contract.errors import SpecError
+    from trainer.contract.spec import parse_spec
 
     if saved is None or len(saved) > 1 << 20:
         return False

@@ -61,7 +61,7 @@ def build_lineage(*, session: Session, settings: Settings, job: FineTuningJob, t
     it reported is the gateway's: then the
     hyperparameters here are the ones it trained with.
     """
-    from trainer.spec import Hyperparameters, parse_spec, spec_hash
+    from trainer.contract.spec import Hyperparameters, parse_spec, spec_hash
 
     train = session.get(DataFile, job.training_file)
     val = session.get(DataFile, job.validation_file) if job.validation_file else None

@@ -227,7 +227,7 @@ def _export_vllm(adapter: Path, model_id: str, base: str, digest: str | None, ou
     """Write the vLLM adapter, print vLLM's loader problems (exit 1 if any), else the serving command."""
     from trainer import catalog
     from trainer import export as ex
-    from trainer.errors import TrainerError
+    from trainer.contract.errors import TrainerError
 
     try:
         ex.vllm_adapter(adapter, base, out, force=force)
@@ -269,7 +269,7 @@ def _fitting_rank(out: Path) -> int:
 
 def _export_merged(adapter: Path, base: str, base_dir: Path, out: Path, dtype: str, force: bool) -> None:
     """Merge into ``base_dir`` (the catalog's copy of the exact base it was trained on); print how to load it."""
-    from trainer.errors import TrainerError
+    from trainer.contract.errors import TrainerError
     from trainer.quiet import quiet_libraries
 
     quiet_libraries()
@@ -291,7 +291,7 @@ def _export_merged(adapter: Path, base: str, base_dir: Path, out: Path, dtype: s
 def _catalog_base(root: Path, name: str, digest: str | None) -> Path:
     """The catalog directory of base ``name`` pinned by ``digest`` (its files re-hashed), or ClickException."""
     from trainer import catalog
-    from trainer.errors import TrainerError
+    from trainer.contract.errors import TrainerError
 
     if not digest:
         raise click.ClickException(f"the model record names base {name} without a digest (published before "

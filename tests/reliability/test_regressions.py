@@ -33,7 +33,7 @@ def test_epochs_that_are_not_whole_numbers_are_a_400_not_a_500() -> None:
 
     from gateway.errors import ServiceError
     from gateway.services.jobs import MAX_EPOCHS, _epochs
-    from trainer.spec import Hyperparameters
+    from trainer.contract.spec import Hyperparameters
 
     assert Hyperparameters.model_fields["epochs"].metadata[-1].le == MAX_EPOCHS
     for bad in ("{{7*7}}", None, True, 0, -1, 2.5, 1e308, float("inf"), float("nan"), [3], 10 ** 30):

@@ -125,7 +125,7 @@ def test_a_continued_job_starts_at_its_parents_eval_loss(gw: LiveGateway, files:
 
 
 def test_finetune_models_show_prints_the_lineage(gw: LiveGateway, parent: dict[str, Any], tmp_path: Path) -> None:
-    from trainer.spec import parse_spec, spec_hash
+    from trainer.contract.spec import parse_spec, spec_hash
 
     env = {**gw.env, "SFT_API_URL": gw.url, "SFT_API_TOKEN": gw.tokens[A]}
     res = subprocess.run([sys.executable, "-m", "gateway", "models", "show", parent["fine_tuned_model"]],

@@ -81,10 +81,10 @@ def _zero_own_model(model: Any) -> None:
 def main(model_dir: str, out: str) -> None:
     import torch
 
+    from trainer.contract.spec import Hyperparameters
     from trainer.distributed import World
     from trainer.model import add_lora, eval_sums, load_base_model, row_loss
     from trainer.packing import IGNORE, Row
-    from trainer.spec import Hyperparameters
 
     t0 = time.monotonic()
     world = World.from_env()

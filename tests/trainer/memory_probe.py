@@ -47,10 +47,10 @@ def main(spec_path: str) -> None:
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
+    from trainer.contract.spec import load_spec
     from trainer.dpo import pair_rows
     from trainer.packing import micro_batches, sequence_bounds
     from trainer.recipe import Recipe, StopFlag
-    from trainer.spec import load_spec
 
     spec = load_spec(spec_path)
     recipe = Recipe(spec, 0, StopFlag())

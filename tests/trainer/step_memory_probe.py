@@ -12,9 +12,9 @@ import resource
 import sys
 from typing import Any
 
+from trainer.contract.spec import load_spec
 from trainer.model import decoder_and_head
 from trainer.recipe import Recipe, StopFlag
-from trainer.spec import load_spec
 
 
 def _peak_mib() -> float:

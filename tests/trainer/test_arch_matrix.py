@@ -103,8 +103,8 @@ def lora_model(path: Path) -> Any:
     """The model at ``path`` as the trainer trains it, with a seeded non-zero LoRA B (so A has gradients)."""
     import torch
 
+    from trainer.contract.spec import Hyperparameters
     from trainer.model import add_lora, load_base_model
-    from trainer.spec import Hyperparameters
 
     model = add_lora(load_base_model(path, "cpu"), Hyperparameters(lora_r=4, lora_alpha=8, seed=0), dropout=False)
     generator = torch.Generator().manual_seed(1)
@@ -291,9 +291,9 @@ def test_cuda_paths_match_eager_unpacked(tiny: Tiny, tmp_path: Path, model_type:
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU here: the flash paths (flash_attention_2, torch's varlen kernel) are not run")
+    from trainer.contract.spec import Hyperparameters
     from trainer.model import add_lora, load_base_model, row_loss
     from trainer.packing import build_row
-    from trainer.spec import Hyperparameters
 
     path = build_family(model_type, tiny.path, tmp_path / model_type)
     model = add_lora(load_base_model(path, "cuda"), Hyperparameters(lora_r=4, lora_alpha=8), dropout=False)

@@ -10,8 +10,8 @@ import pytest
 from trainer_testlib import Tiny, ToyData, events, make_spec, run_trainer, write_spec
 
 from trainer.catalog import CHATML_TEMPLATE
+from trainer.contract.errors import DatasetError
 from trainer.data import Conversation, has_generation_marks, tokenize_conversation
-from trainer.errors import DatasetError
 from trainer.packing import mask_runs
 
 pytestmark = pytest.mark.unit
@@ -93,7 +93,7 @@ def _without_template(tiny: Tiny, out: Path) -> Path:
 
 def test_models_add_refuses_a_tokenizer_without_a_chat_template(tiny: Tiny, tmp_path: Path) -> None:
     from trainer.catalog import add, list_models
-    from trainer.errors import CatalogError
+    from trainer.contract.errors import CatalogError
 
     source = _without_template(tiny, tmp_path / "plain")
     with pytest.raises(CatalogError, match=r"model plain: its tokenizer has no chat template"):
@@ -105,8 +105,8 @@ def test_models_add_refuses_a_tokenizer_without_a_chat_template(tiny: Tiny, tmp_
 def test_a_job_meeting_a_model_without_a_chat_template_fails_as_a_user_error(
     tiny: Tiny, toy: ToyData, tmp_path: Path
 ) -> None:
-    from trainer import exitcodes
     from trainer.catalog import add
+    from trainer.contract import exitcodes
 
     root = tmp_path / "models"
     entry = add(_without_template(tiny, tmp_path / "plain"), "plain", root, check=None)  # an entry from before the rule

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from trainer_testlib import REPO, trainer_env
 
+from trainer.contract.errors import LaunchError, SpecError
+from trainer.contract.spec import parse_spec, spec_hash
 from trainer.distributed import World, dropout_seed
-from trainer.errors import LaunchError, SpecError
 from trainer.events import EventLog
 from trainer.jobenv import dist_timeout_s, world_env
-from trainer.spec import parse_spec, spec_hash
 
 pytestmark = pytest.mark.unit
 
@@ -165,7 +165,7 @@ def test_one_rank_not_sharded_never_touches_torch_distributed() -> None:
 
 
 def test_a_checkpoint_is_pinned_to_the_spec_not_to_its_layout_over_ranks() -> None:
-    from trainer.spec import checkpoint_hash
+    from trainer.contract.spec import checkpoint_hash
 
     plain = parse_spec(_spec())
     assert checkpoint_hash(plain) == spec_hash(plain)  # one process: checkpoints written before it still match

@@ -111,7 +111,7 @@ def test_merged_model_matches_the_4bit_base_plus_adapter(dtype: str, tiny: Tiny,
 
 
 def test_merged_model_refuses_an_existing_output(tiny: Tiny, reference: Reference, tmp_path: Path) -> None:
-    from trainer.errors import ExportError
+    from trainer.contract.errors import ExportError
     from trainer.export import merged_model
 
     (tmp_path / "taken").mkdir()
@@ -182,7 +182,7 @@ def test_vllm_export_chat_template_renders_the_same_without_generation_tags(expo
 
 def test_vllm_export_refuses_an_existing_output_unless_forced(exported: Path, reference: Reference,
                                                               tmp_path: Path) -> None:
-    from trainer.errors import ExportError
+    from trainer.contract.errors import ExportError
     from trainer.export import vllm_adapter
 
     out = tmp_path / "out"

@@ -20,7 +20,7 @@ from trainer_testlib import Tiny
 
 from trainer import packcheck
 from trainer.catalog import add, list_models
-from trainer.errors import CatalogError
+from trainer.contract.errors import CatalogError
 from trainer.packing import IGNORE
 
 

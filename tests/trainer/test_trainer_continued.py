@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from trainer_testlib import Reference, Tiny, ToyData, events, make_spec, run_trainer, write_spec
 
-from trainer import exitcodes
+from trainer.contract import exitcodes
 
 pytestmark = pytest.mark.train
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from trainer_testlib import Reference, Tiny, ToyData, events, make_spec, run_trainer, write_spec
 
-from trainer import exitcodes
+from trainer.contract import exitcodes
 
 pytestmark = pytest.mark.train
 

@@ -27,7 +27,7 @@ from trainer_testlib import (
     write_spec,
 )
 
-from trainer import exitcodes
+from trainer.contract import exitcodes
 
 pytestmark = pytest.mark.train
 
@@ -82,8 +82,8 @@ def _pairs(tiny: Tiny, path: Path) -> list[Any]:
 @pytest.fixture
 def lora_model(tiny: Tiny) -> Any:
     """The tiny 4-bit base with a fresh LoRA adapter (no dropout), in this process."""
+    from trainer.contract.spec import Hyperparameters
     from trainer.model import add_lora, load_base_model
-    from trainer.spec import Hyperparameters
 
     hp = Hyperparameters(lora_r=8, lora_alpha=16, lora_dropout=0.0, batch_size_tokens=512, max_seq_len=256,
                          gradient_checkpointing=False)

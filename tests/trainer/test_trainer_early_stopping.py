@@ -24,7 +24,7 @@ from trainer_testlib import (
     write_spec,
 )
 
-from trainer import exitcodes
+from trainer.contract import exitcodes
 
 pytestmark = pytest.mark.train
 

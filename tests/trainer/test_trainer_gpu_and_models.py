@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 from trainer_testlib import Tiny, ToyData, events, make_spec, run_trainer, write_spec
 
-from trainer import exitcodes
+from trainer.contract import exitcodes
 
 
 def _cuda() -> bool:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.errors import SpecError
+from trainer.contract.errors import SpecError
+from trainer.contract.spec import Hyperparameters, parse_spec, spec_hash
 from trainer.model import lr_lambda
 from trainer.recipe import improves
-from trainer.spec import Hyperparameters, parse_spec, spec_hash
 
 pytestmark = pytest.mark.unit
 

@@ -37,8 +37,8 @@ def _val_examples(tokenizer_dir: Path, toy: ToyData) -> list[Any]:
 @pytest.fixture(scope="module")
 def lora_model(tiny: Tiny) -> Any:
     """The tiny base in 4-bit with a LoRA adapter (no dropout), in this process."""
+    from trainer.contract.spec import Hyperparameters
     from trainer.model import add_lora, load_base_model
-    from trainer.spec import Hyperparameters
 
     hp = Hyperparameters(
         lora_r=8, lora_alpha=16, lora_dropout=0.0, batch_size_tokens=512, max_seq_len=256, gradient_checkpointing=False

@@ -12,10 +12,9 @@ import pytest
 from trainer_testlib import REPO
 
 from trainer import checkpoint as ckpt
-from trainer import exitcodes
 from trainer.catalog import add, compute_digest, list_models, resolve
-from trainer.data import Conversation, holdout_split, read_conversations
-from trainer.errors import (
+from trainer.contract import exitcodes
+from trainer.contract.errors import (
     CatalogError,
     CheckpointError,
     DatasetError,
@@ -23,6 +22,8 @@ from trainer.errors import (
     ModelDigestError,
     SpecError,
 )
+from trainer.contract.spec import JobSpec, load_spec, parse_spec, spec_hash
+from trainer.data import Conversation, holdout_split, read_conversations
 from trainer.events import EventLog, read_events
 from trainer.jobenv import attempt_number, real_gpu_allocated
 from trainer.model import pick_device
@@ -38,7 +39,6 @@ from trainer.packing import (
     plan,
     sequence_bounds,
 )
-from trainer.spec import JobSpec, load_spec, parse_spec, spec_hash
 
 pytestmark = pytest.mark.unit
 

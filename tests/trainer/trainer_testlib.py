@@ -153,8 +153,8 @@ def lora_with_random_b(path: Path, **hyper: Any) -> Any:
     weight, in train mode."""
     import torch
 
+    from trainer.contract.spec import Hyperparameters
     from trainer.model import add_lora, load_base_model
-    from trainer.spec import Hyperparameters
 
     hp = Hyperparameters(**{"lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.0, **hyper})
     model = add_lora(load_base_model(path, "cpu"), hp)

@@ -12,7 +12,7 @@ from gateway.models import DataFile, FineTuningJob
 from gateway.services.jobs import build_hyperparameters, job_spec
 from gateway.storage.layout import result_path
 from trainer.catalog import CatalogEntry
-from trainer.spec import parse_spec, spec_hash
+from trainer.contract.spec import parse_spec, spec_hash
 
 SHA = "a" * 64
 ART = "art-" + "d" * 24
@@ -120,7 +120,7 @@ def _dpo_spec(tmp_path: Path, hp: dict[str, object]) -> dict[str, object]:
 
 def test_a_dpo_job_tells_the_trainer_its_method_and_beta(tmp_path: Path) -> None:
     from gateway.services.jobs import DEFAULT_BETA
-    from trainer.spec import Hyperparameters
+    from trainer.contract.spec import Hyperparameters
 
     spec = _dpo_spec(tmp_path, {"beta": 0.25, "n_epochs": 2})
     parsed = parse_spec(spec)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from trainer import memory
-from trainer.spec import Hyperparameters
+from trainer.contract.spec import Hyperparameters
 
 pytestmark = pytest.mark.unit
 

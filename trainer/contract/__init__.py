@@ -8,4 +8,6 @@ the gateway. What the gateway writes and the trainer reads is defined here once:
 - ``lines``: the JSONL line grammar of uploaded datasets (chat and preference lines);
 - ``exitcodes``: what a trainer process's exit status means;
 - ``jobdir``: the names of the files and folders of a job directory.
+- ``errors``: the trainer's exception hierarchy (the validators above raise it; each class maps
+  to an exit code).
 """

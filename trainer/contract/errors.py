@@ -1,8 +1,12 @@
 """Exception hierarchy of the trainer.
 
 Every error a tenant or an operator can act on is a ``TrainerError``; the
-entry point maps each class to an exit code (see ``trainer.exitcodes``).
+entry point maps each class to an exit code (see ``trainer.contract.exitcodes``).
 Messages name the field, the line or the file, never dataset text.
+
+In the contract because the spec's and the line grammar's validators raise ``SpecError`` and
+``DatasetError`` and the contract imports nothing outside itself; the whole hierarchy moved
+with them (it is pure), so there is one place for the trainer's errors, not two.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from trainer.errors import SpecError
+from trainer.contract.errors import SpecError
 
 SPEC_VERSION = 1
 DEFAULT_CATALOG_ROOT = "/srv/slurm-finetune/models"
