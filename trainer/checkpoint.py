@@ -10,15 +10,13 @@ Torch-free: callers hand in bytes.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
+from trainer.contract import jobdir
 from trainer.contract.errors import CheckpointError
 
-COMPLETE = "COMPLETE"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 
@@ -69,10 +67,10 @@ def write_complete_dir(final: str | Path, files: Mapping[str, bytes], mode: int 
     tmp.mkdir(mode=0o700)
     try:
         for name, data in files.items():
-            if "/" in name or name in {"", ".", "..", COMPLETE}:
+            if "/" in name or name in {"", ".", "..", jobdir.COMPLETE}:
                 raise CheckpointError(f"invalid file name {name!r} in {final.name}")
             write_durable(tmp / name, data, mode)
-        write_durable(tmp / COMPLETE, b"", mode)
+        write_durable(tmp / jobdir.COMPLETE, b"", mode)
         fsync_dir(tmp)
     except BaseException:
         # e.g. ENOSPC: free the space at once (the failure event must still fit), never leave half a dir
@@ -85,7 +83,7 @@ def write_complete_dir(final: str | Path, files: Mapping[str, bytes], mode: int 
 
 def step_dir(checkpoints: str | Path, step: int) -> Path:
     """Return the path of the checkpoint of ``step``."""
-    return Path(checkpoints) / f"step-{step}"
+    return Path(checkpoints) / jobdir.step_dir_name(step)
 
 
 def complete_steps(checkpoints: str | Path) -> list[int]:
@@ -95,8 +93,8 @@ def complete_steps(checkpoints: str | Path) -> list[int]:
         return []
     steps = []
     for entry in root.iterdir():
-        match = _STEP_DIR.match(entry.name)
-        if match and (entry / COMPLETE).is_file():
+        match = jobdir.STEP_DIR.match(entry.name)
+        if match and (entry / jobdir.COMPLETE).is_file():
             steps.append(int(match.group(1)))
     return sorted(steps)
 
@@ -136,7 +134,7 @@ def clean_leftovers(directory: str | Path) -> list[str]:
         return removed
     for entry in root.iterdir():
         stale = entry.name.startswith((TMP_PREFIX, TRASH_PREFIX))
-        broken = bool(_STEP_DIR.match(entry.name)) and not (entry / COMPLETE).is_file()
+        broken = bool(jobdir.STEP_DIR.match(entry.name)) and not (entry / jobdir.COMPLETE).is_file()
         if stale or broken:
             if entry.is_dir():
                 shutil.rmtree(entry, ignore_errors=True)

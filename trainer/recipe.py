@@ -55,7 +55,7 @@ from typing import Any
 from trainer import checkpoint as ckpt
 from trainer import dpo, early_signals
 from trainer.catalog import resolve
-from trainer.contract import exitcodes
+from trainer.contract import exitcodes, jobdir
 from trainer.contract.errors import (
     CheckpointError,
     DatasetError,
@@ -161,12 +161,12 @@ class Recipe:
         self.spec_hash = spec_hash(spec)
         self.checkpoint_hash = checkpoint_hash(spec)  # what a checkpoint is pinned to: any world size, any sharding
         self.job_dir = Path(spec.job_dir)
-        self.checkpoints = self.job_dir / "checkpoints"
-        self.staging = self.job_dir / "attempts" / str(attempt) / "staging"
+        self.checkpoints = self.job_dir / jobdir.CHECKPOINTS
+        self.staging = self.job_dir.joinpath(*jobdir.staging_parts(attempt))
         if self.world.is_main:  # the only rank that writes anything
             self.job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             self.checkpoints.mkdir(mode=0o700, exist_ok=True)
-        self.events = EventLog(self.job_dir / "events.jsonl", attempt, spec.job_id, write=self.world.is_main)
+        self.events = EventLog(self.job_dir / jobdir.EVENTS, attempt, spec.job_id, write=self.world.is_main)
         self.progress = Progress()
         self.last_checkpoint_step = -1
         self.best_adapter: dict[str, Any] | None = None  # CPU copies of the best eval's LoRA tensors
@@ -341,17 +341,17 @@ class Recipe:
         for step in reversed(ckpt.complete_steps(self.checkpoints)):
             path = ckpt.step_dir(self.checkpoints, step)
             try:
-                state = json.loads((path / "progress.json").read_text())
+                state = json.loads((path / jobdir.CKPT_PROGRESS).read_text())
                 # spec_hash: a checkpoint a gang wrote before checkpoint_hash existed
                 if state["spec_hash"] not in (self.checkpoint_hash, self.spec_hash):
                     raise CheckpointError(
                         f"checkpoint {path.name} was written for another spec "
                         f"({state['spec_hash']}); refusing to mix jobs"
                     )
-                adapter = load_safetensors((path / "adapter.safetensors").read_bytes())
-                tensors = torch.load(path / "state.pt", weights_only=True, map_location="cpu")
+                adapter = load_safetensors((path / jobdir.CKPT_ADAPTER).read_bytes())
+                tensors = torch.load(path / jobdir.CKPT_STATE, weights_only=True, map_location="cpu")
                 has_best = state.get("best_step") is not None
-                best = load_safetensors((path / "best.safetensors").read_bytes()) if has_best else None
+                best = load_safetensors((path / jobdir.CKPT_BEST).read_bytes()) if has_best else None
                 reference = tensors["reference"] if self.preference else None
             except (OSError, ValueError, KeyError, RuntimeError) as e:
                 log.warning("checkpoint %s unreadable (%s); trying an older one", path.name, type(e).__name__)
@@ -626,16 +626,16 @@ class Recipe:
             "stopped_early": self.progress.stopped_early,
         }
         files = {
-            "adapter.safetensors": save_safetensors(adapter),
-            "state.pt": buffer.getvalue(),
-            "progress.json": json.dumps(progress).encode(),
+            jobdir.CKPT_ADAPTER: save_safetensors(adapter),
+            jobdir.CKPT_STATE: buffer.getvalue(),
+            jobdir.CKPT_PROGRESS: json.dumps(progress).encode(),
         }
         if self.best_adapter is not None:  # inside each checkpoint: pruning never loses it
-            files["best.safetensors"] = save_safetensors(self.best_adapter)
+            files[jobdir.CKPT_BEST] = save_safetensors(self.best_adapter)
         path = ckpt.write_complete_dir(ckpt.step_dir(self.checkpoints, step), files)
         self.last_checkpoint_step = step  # durable now, whatever pruning or the event meet
         pruned = ckpt.prune(self.checkpoints, self.spec.keep_checkpoints)
-        self.events.emit("checkpoint", step=step, path=f"checkpoints/{path.name}", pruned=pruned)
+        self.events.emit("checkpoint", step=step, path=f"{jobdir.CHECKPOINTS}/{path.name}", pruned=pruned)
         return path
 
     # -- finalize ----------------------------------------------------------------
@@ -656,14 +656,14 @@ class Recipe:
             self._write_staging(after, adapter)
         self.check_stop()  # a cancel that arrived by now must never publish
         if self.world.is_main:
-            digest = hashlib.sha256((self.staging / "manifest.json").read_bytes()).hexdigest()
-            ckpt.write_durable(self.staging / ckpt.COMPLETE, f"manifest sha256:{digest}\n".encode())
+            digest = hashlib.sha256((self.staging / jobdir.MANIFEST).read_bytes()).hexdigest()
+            ckpt.write_durable(self.staging / jobdir.COMPLETE, f"manifest sha256:{digest}\n".encode())
             ckpt.fsync_dir(self.staging)
         # a SIGTERM that arrived while COMPLETE was being written; with several ranks this collective
         # is also the final barrier: no rank returns before rank 0 has published
         if self.world.agree_stop(self.stop.signum) == signal.SIGTERM:
             if self.world.is_main:
-                (self.staging / ckpt.COMPLETE).unlink()
+                (self.staging / jobdir.COMPLETE).unlink()
                 ckpt.fsync_dir(self.staging)
             raise Stop(signal.SIGTERM)
         return self.staging
@@ -690,14 +690,14 @@ class Recipe:
             "best_loss": self.progress.best_loss,
             "stopped_early": self.progress.stopped_early,
         }
-        ckpt.write_durable(self.staging / "eval.json", json.dumps(evals, indent=1).encode())
+        ckpt.write_durable(self.staging / jobdir.EVAL, json.dumps(evals, indent=1).encode())
         metrics = "".join(
             json.dumps({k: m[k] for k in ("step", "loss", "lr", "tokens_per_s", "elapsed_s", "tokens")}) + "\n"
             for m in self.progress.metrics
         )
-        ckpt.write_durable(self.staging / "metrics.jsonl", metrics.encode())
+        ckpt.write_durable(self.staging / jobdir.METRICS, metrics.encode())
         manifest = self._manifest()
-        ckpt.write_durable(self.staging / "manifest.json", json.dumps(manifest, indent=1).encode())
+        ckpt.write_durable(self.staging / jobdir.MANIFEST, json.dumps(manifest, indent=1).encode())
         for name in os.listdir(self.staging):
             with open(self.staging / name, "rb") as f:
                 os.fsync(f.fileno())
@@ -799,7 +799,7 @@ def run_job(spec: JobSpec, attempt: int, fast_exit: bool = True, world: World | 
     stop.install()
     recipe = Recipe(spec, attempt, stop, world)
     log.info("attempt %d of job %s, spec %s, %r", attempt, spec.job_id or "-", recipe.spec_hash, recipe.world)
-    if (recipe.staging / ckpt.COMPLETE).is_file():
+    if (recipe.staging / jobdir.COMPLETE).is_file():
         log.info("attempt %d already complete; nothing to do", attempt)
         recipe.events.emit("done", step=None, already_complete=True)
         return exitcodes.OK

@@ -16,12 +16,17 @@ so a name can never climb out or follow a link.
     artifacts/<art id>/<result>          published results (adapter.tar, eval.json, metrics.csv)
     artifacts/.pub-<job id>-<hex>/       a publication being built
     CLAIM-CODE-<token id>                an operator-minted admin token's one-time claim code (0600)
+
+Inside ``jobs/<job id>/`` the names are the trainer's (``trainer.contract.jobdir``); this
+module builds the tenant-root paths around them.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+
+from trainer.contract import jobdir
 
 Parts = tuple[str, ...]
 
@@ -101,7 +106,7 @@ def staging(job_id: str, attempt: int) -> Parts:
     """An attempt's staging dir: ``jobs/<job id>/attempts/<n>/staging`` (LayoutError unless 0 <= n <= 10000)."""
     if not isinstance(attempt, int) or attempt < 0 or attempt > 10_000:
         raise LayoutError(f"invalid attempt: {attempt!r}")
-    return (*job(job_id), "attempts", str(attempt), "staging")
+    return (*job(job_id), *jobdir.staging_parts(attempt))
 
 
 def _step(step: object) -> int:
@@ -112,7 +117,7 @@ def _step(step: object) -> int:
 
 def checkpoint(job_id: str, step: int) -> Parts:
     """A trainer checkpoint: ``jobs/<job id>/checkpoints/step-<n>`` (LayoutError unless 1 <= n <= MAX_STEP)."""
-    return (*job(job_id), "checkpoints", f"step-{_step(step)}")
+    return (*job(job_id), jobdir.CHECKPOINTS, jobdir.step_dir_name(_step(step)))
 
 
 def checkpoint_result(step: int) -> str:
@@ -138,7 +143,7 @@ def is_result_name(name: object) -> bool:
 
 def training_state(job_id: str) -> list[Parts]:
     """What a job's training left behind besides its published results: checkpoints, attempts."""
-    return [(*job(job_id), "checkpoints"), (*job(job_id), "attempts")]
+    return [(*job(job_id), jobdir.CHECKPOINTS), (*job(job_id), jobdir.ATTEMPTS)]
 
 
 def artifact(art_id: str) -> Parts:
