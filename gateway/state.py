@@ -4,7 +4,7 @@
 layer calls it inside a version-checked update). ``from_slurm`` turns what Slurm
 reports into an event, and ``decide`` turns a job's state and that event into what
 the reconciler does next. The OpenAI-visible status is ``state.value``. Pure: this
-module imports nothing from the rest of the gateway.
+module imports nothing from the rest of the gateway (only the contract's exit codes).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
+
+from trainer.contract import exitcodes
 
 
 class SweepState(StrEnum):
@@ -143,13 +145,16 @@ class SlurmView:
 
 
 # trainer exit codes (trainer/contract/exitcodes.py) → failure reasons
-_EXIT_REASONS = {65: (FailReason.USER_ERROR, "the dataset or job spec was rejected by the trainer"),
-                 78: (FailReason.USER_ERROR, "the base model is missing or does not match its digest"),
-                 76: (FailReason.NODE_FAIL, "a rank of the job was lost (a process died or a node failed) "
-                                            "more often than the requeue limit allows"),
-                 69: (FailReason.NODE_FAIL, "the node's GPU is not usable (CUDA unavailable): nothing was "
-                                            "trained; submit the job again"),
-                 143: (FailReason.INTERNAL, "the trainer was stopped by a signal")}
+_EXIT_REASONS = {
+    exitcodes.USER_ERROR: (FailReason.USER_ERROR, "the dataset or job spec was rejected by the trainer"),
+    exitcodes.MODEL_ERROR: (FailReason.USER_ERROR, "the base model is missing or does not match its digest"),
+    exitcodes.PEER_LOST: (FailReason.NODE_FAIL, "a rank of the job was lost (a process died or a node failed) "
+                                                "more often than the requeue limit allows"),
+    exitcodes.GPU_UNAVAILABLE: (FailReason.NODE_FAIL, "the node's GPU is not usable (CUDA unavailable): nothing "
+                                                      "was trained; submit the job again"),
+    exitcodes.CANCELLED: (FailReason.INTERNAL, "the trainer was stopped by a signal"),
+}
+
 
 class SlurmState(StrEnum):
     """Slurm's job state words (squeue %T, sacct State) that the gateway reasons about."""

@@ -40,13 +40,13 @@ from gateway.slurm import records as rec
 from gateway.slurm.client import CancelResult, JobStatus
 from gateway.slurm.render import JobScript
 from gateway.state import SlurmState as S
+from trainer.contract import exitcodes
 
 BANNER = ("LOCAL MODE: jobs run as {user} on this machine, without Slurm. Tenant isolation, fairshare/QOS "
           "and node scrubbing are OFF: every tenant's data belongs to {user}. For trying slurm-finetune "
           "alone, never for shared use. Data: {data_dir}")
 NODE = "local"
 QOS = "local"
-TIMEOUT_EXIT = 75          # the trainer checkpointed on the time-limit warning (requeue on the cluster)
 
 
 class LocalModeError(SystemExit):
@@ -89,7 +89,7 @@ def run_job(command: list[str], cwd: str, env: dict[str, str], log_path: str, fo
 
     Signals mirror the cluster's batch script: TERM/INT (a cancel, or the controller
     stopping) reach the trainer as TERM; submitit's time-limit warning (USR2) reaches it as
-    USR1 (checkpoint, exit 75). A signal that arrives before the trainer exists is replayed
+    USR1 (checkpoint, exit ``REQUEUE``). A signal that arrives before the trainer exists is replayed
     to it. Returns the trainer's exit status (negative: killed by that signal) after recording
     it in ``exit.json``."""
     import subprocess
@@ -254,9 +254,9 @@ class LocalScheduler:
         rc = done.get("rc") if done else None
         if cancelled:
             state = S.CANCELLED
-        elif rc == 0:
+        elif rc == exitcodes.OK:
             state = S.COMPLETED
-        elif rc == TIMEOUT_EXIT:
+        elif rc == exitcodes.REQUEUE:   # checkpointed on the time-limit warning (requeued on the cluster)
             state = S.TIMEOUT
         else:
             state = S.FAILED

@@ -17,6 +17,7 @@ from importlib import resources
 from string import Template
 
 from gateway.errors import SlurmError
+from trainer.contract import exitcodes
 
 _DIRECTIVE_SAFE = re.compile(r"^[A-Za-z0-9._/@:+=,-]+$")
 _ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
@@ -70,6 +71,10 @@ def _positive(name: str, value: int, maximum: int) -> str:
 GANG_RETRIES = 3
 """How many times a gang that lost a rank is requeued before the job fails."""
 
+_NOT_RETRIED = (exitcodes.OK, exitcodes.INTERNAL, exitcodes.USER_ERROR, exitcodes.GPU_UNAVAILABLE,
+                exitcodes.MODEL_ERROR)
+"""Exit statuses a gang is never requeued for: success, a plain internal error, the trainer's refusals."""
+
 GANG_PORT_BASE = 20000
 """A gang's rendezvous port: ``GANG_PORT_BASE + job id % 20000`` on its first node."""
 
@@ -103,13 +108,13 @@ def _gang(job: JobScript) -> dict[str, str]:
         ),
         "launch": (f"srun --kill-on-bad-exit=1 --nodes={nodes} --ntasks-per-node={per_node} "
                    f"--cpus-per-task={_positive('cpus', job.cpus, 1024)} --export=ALL "),
-        # a lost rank shows as the trainer's PEER_LOST (76), a rank's signal death (137), or 143
-        # when srun's --kill-on-bad-exit TERMs the survivors; a TERM Slurm sent (time limit, an
-        # administrator) reached this script too (termed=1) and is not retried. Requeued: a gang
-        # that failed for anything but the trainer's refusals (65 dataset, 69 GPU, 78 model), a
-        # plain internal error (1) or such a TERM, a bounded number of times
-        "gang_requeue": (' || { [ "$rc" -ne 0 ] && [ "$rc" -ne 1 ] && [ "$rc" -ne 65 ] && [ "$rc" -ne 69 ] '
-                         '&& [ "$rc" -ne 78 ] && { [ "$rc" -ne 143 ] || [ "$termed" = 0 ]; } '
+        # a lost rank shows as the trainer's PEER_LOST, a rank's signal death (128 + KILL), or
+        # CANCELLED when srun's --kill-on-bad-exit TERMs the survivors; a TERM Slurm sent (time
+        # limit, an administrator) reached this script too (termed=1) and is not retried. Requeued:
+        # a gang that failed for anything but the trainer's refusals (_NOT_RETRIED) or such a TERM,
+        # a bounded number of times
+        "gang_requeue": (' || { ' + ''.join(f'[ "$rc" -ne {code} ] && ' for code in _NOT_RETRIED)
+                         + f'{{ [ "$rc" -ne {exitcodes.CANCELLED} ] || [ "$termed" = 0 ]; }} '
                          f'&& [ "${{SLURM_RESTART_COUNT:-0}}" -lt {GANG_RETRIES} ]; }}'),
     }
 
@@ -139,6 +144,7 @@ def render_sbatch(job: JobScript) -> str:
                                                        365 * 24 * 60))),
         "grace_s": _positive("grace_s", job.grace_s, 3600),
         "requeue_line": "#SBATCH --requeue\n" if job.requeue else "#SBATCH --no-requeue\n",
+        "requeue_exit": str(exitcodes.REQUEUE),
         "job_dir": _directive("job_dir", job.job_dir),
         "exports": exports,
         "command": shlex.join(job.command),
