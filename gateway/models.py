@@ -121,7 +121,7 @@ class DataFile(SQLModel, table=True):
 
 
 class FineTuningJob(SQLModel, table=True):
-    """A fine-tuning job. ``status`` changes only through gateway.services.jobs, which
+    """A fine-tuning job. ``status`` changes only through gateway.services.jobwrites, which
     applies gateway.state.transition under an optimistic ``version`` check."""
 
     __tablename__ = "fine_tuning_jobs"

@@ -12,7 +12,7 @@ from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep, access
 from gateway.api.fastjson import FastJSON
 from gateway.errors import ServiceError
 from gateway.models import DataFile, FineTuningJob, JobCheckpoint, JobEvent
-from gateway.services import jobs as svc
+from gateway.services import jobcontrol, jobcreate, jobmodels, jobreads, jobspec
 from gateway.state import JobState
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"], dependencies=[access(Policy.TENANT)])
@@ -78,15 +78,15 @@ def _ts(dt: Any) -> int | None:
 
 def job_object(job: FineTuningJob | Any, tenant: str) -> dict[str, Any]:
     """OpenAI's fine_tuning.job plus ours: slurm_job_id, attempt, phase, cleanup, progress (``job``: the
-    model, or a row of ``svc.JOB_VIEW``)."""
+    model, or a row of ``jobreads.JOB_VIEW``)."""
     hp = dict(job.hyperparameters or {})
     method = job.method or "supervised"
     if method == "dpo":
-        hp.setdefault("beta", svc.DEFAULT_BETA)
-    epochs = hp.get("epochs", svc.DEFAULT_EPOCHS)
+        hp.setdefault("beta", jobspec.DEFAULT_BETA)
+    epochs = hp.get("epochs", jobspec.DEFAULT_EPOCHS)
     lr = hp.get("learning_rate")
     openai_hp = {"n_epochs": epochs, "batch_size": "auto",
-                 "learning_rate_multiplier": (lr / svc.BASE_LEARNING_RATE) if lr else "auto"}
+                 "learning_rate_multiplier": (lr / jobspec.BASE_LEARNING_RATE) if lr else "auto"}
     error = None
     if job.error:
         error = {"code": job.error.get("code"), "message": job.error.get("message"),
@@ -107,13 +107,13 @@ def job_object(job: FineTuningJob | Any, tenant: str) -> dict[str, Any]:
         "slurm_job_id": job.slurm_job_id, "attempt": job.attempt, "phase": job.phase, "qos": job.qos,
         "resources": {"gpus": job.gpus, "nodes": job.nodes, "fsdp": job.fsdp},
         "cleanup": job.cleanup, "stop_confirmed": job.stop_confirmed_at is not None,
-        "progress": {k: v for k, v in (job.progress or {}).items() if k not in svc.INTERNAL_PROGRESS},
+        "progress": {k: v for k, v in (job.progress or {}).items() if k not in jobreads.INTERNAL_PROGRESS},
     }
 
 
 def event_object(ev: JobEvent | Any) -> dict[str, Any]:
     """OpenAI's ``fine_tuning.job.event`` object (id ``ftevent-<n>``; ``ev``: the model, or a row of
-    ``svc.EVENT_VIEW``)."""
+    ``jobreads.EVENT_VIEW``)."""
     return {"object": "fine_tuning.job.event", "id": f"ftevent-{ev.id}", "created_at": _ts(ev.created_at),
             "level": ev.level, "message": ev.message, "data": ev.data or {}, "type": ev.type}
 
@@ -122,18 +122,19 @@ def checkpoint_object(ck: JobCheckpoint, job: FineTuningJob, adapter: DataFile |
     """OpenAI's ``fine_tuning.job.checkpoint`` object (metrics without a value left out), plus ours:
     ``adapter_file``, the file of its adapter once the job has published it (else null)."""
     return {"object": "fine_tuning.job.checkpoint", "id": ck.id, "created_at": _ts(ck.created_at),
-            "fine_tuned_model_checkpoint": svc.checkpoint_model_name(job, ck.step),
+            "fine_tuned_model_checkpoint": jobmodels.checkpoint_model_name(job, ck.step),
             "fine_tuning_job_id": job.id, "step_number": ck.step,
             "metrics": {k: v for k, v in (ck.metrics or {}).items() if v is not None},
             "adapter_file": adapter.id if adapter is not None else None}
 
 
-def _request(body: CreateJob, idempotency_key: str | None) -> svc.JobRequest:
+def _request(body: CreateJob, idempotency_key: str | None) -> jobcreate.JobRequest:
     hp = dict(body.hyperparameters or {})
     settings = body.method and (body.method.supervised or body.method.dpo)
     if settings:
         hp.update(settings.hyperparameters)
-    return svc.JobRequest(training_file=body.training_file, model=body.model, validation_file=body.validation_file,
+    return jobcreate.JobRequest(training_file=body.training_file, model=body.model,
+                          validation_file=body.validation_file,
                           hyperparameters=hp, suffix=body.suffix, seed=body.seed, metadata=body.metadata,
                           idempotency_key=idempotency_key,
                           gpus=body.resources.gpus if body.resources else 1,
@@ -153,7 +154,7 @@ def create_job(body: CreateJob, request: Request, session: SessionDep, settings:
         raise ServiceError("this gateway has no Slurm connection: jobs cannot run", code="no_backend")
     assert principal.tenant_name is not None
     req = _request(body, idempotency_key)
-    job = svc.create_job(session=session, settings=settings, principal=principal, req=req, submit=submitter)
+    job = jobcreate.create_job(session=session, settings=settings, principal=principal, req=req, submit=submitter)
     assert principal.tenant_name is not None
     return job_object(job, principal.tenant_name)
 
@@ -166,17 +167,17 @@ def estimate_job(body: CreateJob, request: Request, session: SessionDep, setting
     submitter = request.app.state.submitter
     if submitter is None:
         raise ServiceError("this gateway has no Slurm connection: jobs cannot run", code="no_backend")
-    return svc.estimate_job(session=session, settings=settings, principal=principal, req=_request(body, None),
+    return jobcreate.estimate_job(session=session, settings=settings, principal=principal, req=_request(body, None),
                             submit=submitter)
 
 
 # The three hot reads are ``async def``: they run on the event loop, without a thread-pool hop (and its
-# GIL hand-offs), since each is one or two indexed queries of a few rows (svc.read_*: Core rows, no ORM).
+# GIL hand-offs), since each is one or two indexed queries of a few rows (jobreads.read_*: Core rows, no ORM).
 @router.get("")
 async def list_jobs(session: SessionDep, principal: PrincipalDep, after: str | None = Query(None, pattern=JOB_ID),
                     limit: int = Query(20, ge=1, le=100)) -> FastJSON:
     """List this tenant's fine-tuning jobs, newest first (OpenAI's cursor pagination: ``after`` a job id)."""
-    rows, more = svc.read_jobs(session=session, principal=principal, after=after, limit=limit)
+    rows, more = jobreads.read_jobs(session=session, principal=principal, after=after, limit=limit)
     assert principal.tenant_name is not None
     return FastJSON({"object": "list", "data": [job_object(j, principal.tenant_name) for j in rows], "has_more": more})
 
@@ -184,7 +185,7 @@ async def list_jobs(session: SessionDep, principal: PrincipalDep, after: str | N
 @router.get("/{job_id}")
 async def retrieve_job(job_id: str, session: SessionDep, principal: PrincipalDep) -> FastJSON:
     """One of this tenant's fine-tuning jobs; 404 for an unknown id."""
-    job = svc.read_job(session=session, principal=principal, job_id=job_id)
+    job = jobreads.read_job(session=session, principal=principal, job_id=job_id)
     assert principal.tenant_name is not None
     return FastJSON(job_object(job, principal.tenant_name))
 
@@ -192,7 +193,7 @@ async def retrieve_job(job_id: str, session: SessionDep, principal: PrincipalDep
 @router.post("/{job_id}/cancel")
 def cancel_job(job_id: str, request: Request, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
     """``cancelling`` at once; Slurm is told now; ``cancelled`` once Slurm confirms the stop."""
-    job = svc.cancel_job(session=session, principal=principal, job_id=job_id,
+    job = jobcontrol.cancel_job(session=session, principal=principal, job_id=job_id,
                          reconciler=request.app.state.reconciler)
     assert principal.tenant_name is not None
     return job_object(job, principal.tenant_name)
@@ -202,7 +203,7 @@ def cancel_job(job_id: str, request: Request, session: SessionDep, principal: Pr
 def pause_job(job_id: str, request: Request, session: SessionDep, settings: SettingsDep,
               principal: PrincipalDep) -> dict[str, Any]:
     """``paused`` at once; Slurm holds the job and the trainer checkpoints and leaves its GPU."""
-    job = svc.pause_job(session=session, settings=settings, principal=principal, job_id=job_id,
+    job = jobcontrol.pause_job(session=session, settings=settings, principal=principal, job_id=job_id,
                         control=request.app.state.reconciler)
     assert principal.tenant_name is not None
     return job_object(job, principal.tenant_name)
@@ -212,7 +213,7 @@ def pause_job(job_id: str, request: Request, session: SessionDep, settings: Sett
 def resume_job(job_id: str, request: Request, session: SessionDep, settings: SettingsDep,
                principal: PrincipalDep) -> dict[str, Any]:
     """``queued`` again; the hold is released and the job continues from its last checkpoint."""
-    job = svc.resume_job(session=session, settings=settings, principal=principal, job_id=job_id,
+    job = jobcontrol.resume_job(session=session, settings=settings, principal=principal, job_id=job_id,
                          control=request.app.state.reconciler)
     assert principal.tenant_name is not None
     return job_object(job, principal.tenant_name)
@@ -224,7 +225,7 @@ async def list_events(job_id: str, session: SessionDep, principal: PrincipalDep,
                       limit: int = Query(20, ge=1, le=1000)) -> FastJSON:
     """A job's events, newest first; ``after`` (an event id) pages on to older ones."""
     cursor = int(after.removeprefix("ftevent-")) if after else None
-    rows, more = svc.read_events(session=session, principal=principal, job_id=job_id, after=cursor, limit=limit)
+    rows, more = jobreads.read_events(session=session, principal=principal, job_id=job_id, after=cursor, limit=limit)
     return FastJSON({"object": "list", "data": [event_object(e) for e in rows], "has_more": more})
 
 
@@ -232,9 +233,9 @@ async def list_events(job_id: str, session: SessionDep, principal: PrincipalDep,
 def list_checkpoints(job_id: str, session: SessionDep, principal: PrincipalDep,
                      limit: int = Query(10, ge=1, le=100)) -> FastJSON:
     """A job's checkpoints, highest step first (the first ``limit``; ``has_more`` is always false)."""
-    job = svc.get_job(session=session, principal=principal, job_id=job_id)
-    rows = svc.list_checkpoints(session=session, principal=principal, job_id=job_id)[:limit]
-    files = svc.checkpoint_files(session, job)
+    job = jobreads.get_job(session=session, principal=principal, job_id=job_id)
+    rows = jobreads.list_checkpoints(session=session, principal=principal, job_id=job_id)[:limit]
+    files = jobmodels.checkpoint_files(session, job)
     return FastJSON({"object": "list", "data": [checkpoint_object(c, job, files.get(c.step)) for c in rows],
                      "has_more": False,
                      "first_id": rows[0].id if rows else None, "last_id": rows[-1].id if rows else None})

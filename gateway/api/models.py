@@ -11,7 +11,7 @@ from gateway.access.policy import Policy
 from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep, access
 from gateway.errors import NotFound
 from gateway.models import FineTuningJob
-from gateway.services import jobs as jobs_svc
+from gateway.services import jobmodels
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
@@ -42,7 +42,7 @@ def list_models(session: SessionDep, settings: SettingsDep, principal: Principal
     data = _catalog(settings)
     if principal.tenant_name:       # tenant tokens: their own fine-tuned models too
         data += [_ft_model(j, principal.tenant_name)
-                 for j in jobs_svc.fine_tuned_models(session=session, principal=principal)]
+                 for j in jobmodels.fine_tuned_models(session=session, principal=principal)]
     return {"object": "list", "data": data}
 
 
@@ -51,13 +51,13 @@ def retrieve_model(model_id: str, session: SessionDep, settings: SettingsDep,
                    principal: PrincipalDep) -> dict[str, Any]:
     """One model of ``GET /v1/models`` by id (a base model or one of the tenant's, with its
     ``lineage``); 404 otherwise, a foreign tenant's model included."""
-    if principal.tenant_name and jobs_svc.CHECKPOINT_MODEL.fullmatch(model_id):
-        job, step, adapter = jobs_svc.find_checkpoint_model(session=session, principal=principal, model_id=model_id)
+    if principal.tenant_name and jobmodels.CHECKPOINT_MODEL.fullmatch(model_id):
+        job, step, adapter = jobmodels.find_checkpoint_model(session=session, principal=principal, model_id=model_id)
         return {"id": model_id, "object": "model", "created": int(adapter.created_at.timestamp()),
                 "owned_by": principal.tenant_name, "root": job.model, "parent": job.fine_tuned_model,
-                "job_id": job.id, "step": step, "lineage": jobs_svc.checkpoint_lineage(job, step, adapter)}
+                "job_id": job.id, "step": step, "lineage": jobmodels.checkpoint_lineage(job, step, adapter)}
     if principal.tenant_name and model_id.startswith("ft:"):
-        for j in jobs_svc.fine_tuned_models(session=session, principal=principal):
+        for j in jobmodels.fine_tuned_models(session=session, principal=principal):
             if j.fine_tuned_model == model_id:
                 return _ft_model(j, principal.tenant_name, lineage=True)
     else:
@@ -71,5 +71,5 @@ def retrieve_model(model_id: str, session: SessionDep, settings: SettingsDep,
 def delete_model(model_id: str, session: SessionDep, settings: SettingsDep,
                  principal: PrincipalDep) -> dict[str, Any]:
     """Delete a fine-tuned model: its adapter, checkpoints and staging leave storage."""
-    jobs_svc.delete_fine_tuned_model(session=session, settings=settings, principal=principal, model_id=model_id)
+    jobmodels.delete_fine_tuned_model(session=session, settings=settings, principal=principal, model_id=model_id)
     return {"id": model_id, "object": "model", "deleted": True}

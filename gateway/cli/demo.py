@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from gateway.config import Settings
-from gateway.services.jobs import job_dir
+from gateway.services.jobspec import job_dir
 from gateway.state import TERMINAL, Cleanup, JobState
 from gateway.storage import layout
 

@@ -30,9 +30,8 @@ from gateway.jobs import detectors
 from gateway.jobs.leader import Lease, LeaseLost
 from gateway.jobs.tenantcalls import Round, TenantCalls
 from gateway.models import FineTuningJob, Tenant, utcnow
-from gateway.services import jobs as job_service
-from gateway.services import webhooks
-from gateway.services.jobs import StaleJob, add_event, apply_event, update_fields
+from gateway.services import jobcreate, webhooks
+from gateway.services.jobwrites import StaleJob, add_event, apply_event, update_fields
 from gateway.services.progress import ingest_events, trainer_failure
 from gateway.services.publication import fine_tuned_model_name as fine_tuned_model_name  # re-exported
 from gateway.services.publication import publish_attempt
@@ -89,7 +88,7 @@ class Reconciler:
     """Owns the Slurm client; ``cycle`` once, or ``run`` in a thread until stopped."""
 
     def __init__(self, engine: Engine, settings: Settings, client: Scheduler,
-                 submitter: job_service.Submit | None = None):
+                 submitter: jobcreate.Submit | None = None):
         self.engine, self.settings, self.client, self.submitter = engine, settings, client, submitter
         self.storage = storage_for(settings)
         self.stop = threading.Event()
@@ -294,7 +293,7 @@ class Reconciler:
                 elif self.submitter is not None and (spec := resubmittable_spec(
                         session=s, settings=self.settings, storage=self.storage, job=job, tenant=tenant)) is not None:
                     add_event(s, job.id, "Submitting again: the gateway stopped before Slurm had the job")
-                    job_service.submit_job(session=s, job=job, spec=spec, tenant=tenant.name, submit=self.submitter)
+                    jobcreate.submit_job(session=s, job=job, spec=spec, tenant=tenant.name, submit=self.submitter)
                 else:
                     apply_event(s, job, Event.ERROR, level="error", message="Job failed: submission was "
                                 "interrupted; create the job again",

@@ -11,14 +11,14 @@ from typing import Any
 from gateway.config import Settings
 from gateway.errors import ServiceError
 from gateway.models import FineTuningJob
-from gateway.services import jobs as job_service
+from gateway.services import jobcreate
 from gateway.slurm.admin import Admin, unix_user_for
 from gateway.slurm.records import Owner
 from gateway.slurm.render import JobScript
 from gateway.slurm.scheduler import Scheduler
 from gateway.storage import TenantRunner, storage_for
 
-Submit = job_service.Submit        # the seam services call; Submitter is its implementation
+Submit = jobcreate.Submit        # the seam services call; Submitter is its implementation
 
 QOS_TIERS: tuple[tuple[str, int, int], ...] = (
     ("ft-small", 240, 1), ("ft-standard", 1440, 2), ("ft-large", 4320, 4))

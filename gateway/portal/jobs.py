@@ -29,7 +29,7 @@ from gateway.portal.jobviews import (
 from gateway.portal.session import PortalUser, check_csrf
 from gateway.portal.web import PortalRoute, UserDep, env, portal_access, render
 from gateway.services import files as files_svc
-from gateway.services import jobs as svc
+from gateway.services import jobcontrol, jobcreate, jobreads
 from gateway.state import Cleanup, JobState
 
 router = APIRouter(prefix="/portal/jobs", route_class=PortalRoute, include_in_schema=False,
@@ -42,7 +42,7 @@ env.globals.update(badge=badge)
 def list_jobs(request: Request, session: SessionDep, user: UserDep,
               after: str | None = Query(None, pattern=JOB_ID)) -> Response:
     """The tenant's jobs, newest first, 50 a page (``after``: the last job id of the previous page)."""
-    rows, more = svc.list_jobs(session=session, principal=user.principal, after=after, limit=50)
+    rows, more = jobreads.list_jobs(session=session, principal=user.principal, after=after, limit=50)
     return render(request, "jobs.html", user=user, jobs=rows, more=more,
                   next_after=rows[-1].id if rows and more else None,
                   progress={j.id: progress_view(j) for j in rows})
@@ -74,7 +74,7 @@ def new_job(request: Request, session: SessionDep, settings: SettingsDep, user: 
         form.training_file = files[0].id if files else ""
     if form.training_file:   # the method the chosen file's format trains with
         try:
-            form.method = svc.method_for(files_svc.get_file(session=session, principal=user.principal,
+            form.method = jobcreate.method_for(files_svc.get_file(session=session, principal=user.principal,
                                                             file_id=form.training_file))
         except NotFound:
             pass
@@ -91,7 +91,7 @@ def _estimate(request: Request, session: Session, settings: Settings, user: Port
         train = files_svc.get_file(session=session, principal=user.principal, file_id=file_id)
     except NotFound:
         return None
-    tokens, minutes = svc.estimate(settings, train, epochs)
+    tokens, minutes = jobcreate.estimate(settings, train, epochs)
     submitter = request.app.state.submitter
     qos = None
     if submitter is not None and user.principal.tenant_name:
@@ -102,10 +102,10 @@ def _estimate(request: Request, session: Session, settings: Settings, user: Port
     start = reason = None
     if submitter is not None and model and user.principal.tenant_name:
         try:
-            dry = svc.estimate_job(session=session, settings=settings, principal=user.principal, submit=submitter,
-                                   req=svc.JobRequest(training_file=file_id, model=model,
+            dry = jobcreate.estimate_job(session=session, settings=settings, principal=user.principal, submit=submitter,
+                                   req=jobcreate.JobRequest(training_file=file_id, model=model,
                                                       hyperparameters={"n_epochs": epochs},
-                                                      method=svc.method_for(train)))
+                                                      method=jobcreate.method_for(train)))
             start, reason = dry.get("expected_start"), dry.get("start_detail")
         except (ServiceError, KeyError):
             pass
@@ -136,7 +136,7 @@ async def create_job(request: Request, session: SessionDep, settings: SettingsDe
     if req is None or errors:
         return _form_page(request, session, settings, user, form, errors, status=400)
     try:
-        job = svc.create_job(session=session, settings=settings, principal=user.principal, req=req,
+        job = jobcreate.create_job(session=session, settings=settings, principal=user.principal, req=req,
                              submit=submitter)
     except ServiceError as e:
         field = (e.param or "form").split(".")[-1]
@@ -157,9 +157,9 @@ def _results(session: Session, user: PortalUser, job: FineTuningJob) -> list[Dat
 
 
 def _live_context(session: Session, user: PortalUser, job: FineTuningJob) -> dict[str, Any]:
-    events, _ = svc.list_events(session=session, principal=user.principal, job_id=job.id, after=None, limit=1000)
+    events, _ = jobreads.list_events(session=session, principal=user.principal, job_id=job.id, after=None, limit=1000)
     return {"job": job, "events": job_events(events)[:50], "progress": progress_view(job),
-            "checkpoints": svc.list_checkpoints(session=session, principal=user.principal, job_id=job.id),
+            "checkpoints": jobreads.list_checkpoints(session=session, principal=user.principal, job_id=job.id),
             "results": _results(session, user, job), "series": loss_series(events),
             "can_cancel": job.status in ACTIVE_STATES and job.status != JobState.CANCELLING.value}
 
@@ -167,14 +167,14 @@ def _live_context(session: Session, user: PortalUser, job: FineTuningJob) -> dic
 @router.get("/{job_id}")
 def show_job(job_id: str, request: Request, session: SessionDep, user: UserDep) -> Response:
     """One job's page: progress, events, loss curve, checkpoints and results."""
-    job = svc.get_job(session=session, principal=user.principal, job_id=job_id)
+    job = jobreads.get_job(session=session, principal=user.principal, job_id=job_id)
     return render(request, "job.html", user=user, **_live_context(session, user, job))
 
 
 @router.get("/{job_id}/live")
 def live(job_id: str, request: Request, session: SessionDep, user: UserDep) -> Response:
     """What the detail page's script polls: the live part as HTML, and the loss series."""
-    job = svc.get_job(session=session, principal=user.principal, job_id=job_id)
+    job = jobreads.get_job(session=session, principal=user.principal, job_id=job_id)
     ctx = _live_context(session, user, job)
     parts = {name: env.get_template(f"_job_{name}.html").render(request=request, user=user, csrf=user.csrf, **ctx)
              for name in ("head", "live")}
@@ -187,7 +187,7 @@ def pause(job_id: str, request: Request, session: SessionDep, settings: Settings
           csrf: Annotated[str, Form(max_length=100)] = "") -> Response:
     """Pause the job (CSRF-checked) and go back to its page."""
     check_csrf(user.csrf, csrf)
-    job = svc.pause_job(session=session, settings=settings, principal=user.principal, job_id=job_id,
+    job = jobcontrol.pause_job(session=session, settings=settings, principal=user.principal, job_id=job_id,
                         control=request.app.state.reconciler)
     return RedirectResponse(f"/portal/jobs/{job.id}", status_code=303)
 
@@ -197,7 +197,7 @@ def resume(job_id: str, request: Request, session: SessionDep, settings: Setting
            csrf: Annotated[str, Form(max_length=100)] = "") -> Response:
     """Resume the paused job (CSRF-checked) and go back to its page."""
     check_csrf(user.csrf, csrf)
-    job = svc.resume_job(session=session, settings=settings, principal=user.principal, job_id=job_id,
+    job = jobcontrol.resume_job(session=session, settings=settings, principal=user.principal, job_id=job_id,
                          control=request.app.state.reconciler)
     return RedirectResponse(f"/portal/jobs/{job.id}", status_code=303)
 
@@ -205,7 +205,7 @@ def resume(job_id: str, request: Request, session: SessionDep, settings: Setting
 @router.get("/{job_id}/cancel")
 def confirm_cancel(job_id: str, request: Request, session: SessionDep, user: UserDep) -> Response:
     """The page that asks to confirm a cancellation."""
-    job = svc.get_job(session=session, principal=user.principal, job_id=job_id)
+    job = jobreads.get_job(session=session, principal=user.principal, job_id=job_id)
     return render(request, "job_cancel.html", user=user, job=job, progress=progress_view(job))
 
 
@@ -214,6 +214,6 @@ def cancel(job_id: str, request: Request, session: SessionDep, user: UserDep,
            csrf: Annotated[str, Form(max_length=100)] = "") -> Response:
     """Cancel the job (CSRF-checked) and go back to its page."""
     check_csrf(user.csrf, csrf)
-    job = svc.cancel_job(session=session, principal=user.principal, job_id=job_id,
+    job = jobcontrol.cancel_job(session=session, principal=user.principal, job_id=job_id,
                          reconciler=request.app.state.reconciler)
     return RedirectResponse(f"/portal/jobs/{job.id}", status_code=303)

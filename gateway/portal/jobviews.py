@@ -6,7 +6,8 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 from gateway.models import FineTuningJob, JobEvent
-from gateway.services.jobs import BASE_LEARNING_RATE, DEFAULT_EPOCHS, METHODS, JobRequest
+from gateway.services.jobcreate import METHODS, JobRequest
+from gateway.services.jobspec import BASE_LEARNING_RATE, DEFAULT_EPOCHS
 from gateway.state import ACTIVE, JobState
 
 ACTIVE_STATES = frozenset(s.value for s in ACTIVE)

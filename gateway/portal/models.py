@@ -10,8 +10,7 @@ from gateway.access.policy import Policy
 from gateway.api.deps import SessionDep
 from gateway.errors import NotFound
 from gateway.portal.web import PortalRoute, UserDep, portal_access, render
-from gateway.services import jobs as jobs_svc
-from gateway.services import registry
+from gateway.services import jobmodels, registry
 
 router = APIRouter(prefix="/portal/models", route_class=PortalRoute, include_in_schema=False,
                    dependencies=[portal_access(Policy.TENANT)])
@@ -30,7 +29,7 @@ def _view(lineage: dict[str, Any] | None) -> dict[str, Any]:
 @router.get("")
 def list_models(request: Request, session: SessionDep, user: UserDep) -> Response:
     """The tenant's fine-tuned models and aliases."""
-    models = jobs_svc.fine_tuned_models(session=session, principal=user.principal)
+    models = jobmodels.fine_tuned_models(session=session, principal=user.principal)
     return render(request, "models.html", user=user, models=models,
                   aliases=registry.aliases(session=session, principal=user.principal))
 
@@ -38,7 +37,7 @@ def list_models(request: Request, session: SessionDep, user: UserDep) -> Respons
 @router.get("/{model_id:path}")
 def show_model(model_id: str, request: Request, session: SessionDep, user: UserDep) -> Response:
     """One of the tenant's models: its lineage record; another tenant's answers 404."""
-    for job in jobs_svc.fine_tuned_models(session=session, principal=user.principal):
+    for job in jobmodels.fine_tuned_models(session=session, principal=user.principal):
         if job.fine_tuned_model == model_id:
             held = [a for a in registry.aliases(session=session, principal=user.principal)
                     if a.fine_tuned_model == model_id]

@@ -2,7 +2,7 @@
 
 Owns reading those lines (written by the tenant's job, so untrusted) into the job's
 progress, phase, attempt, trained tokens, estimated finish, checkpoints and event list,
-and the trainer's own failure message. Imports the models and ``services.jobs`` only;
+and the trainer's own failure message. Imports the models and ``services.jobwrites`` only;
 the reconciler reads the bytes (through storage) and calls ``ingest_events``.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 from sqlmodel import Session
 
 from gateway.models import FineTuningJob, JobCheckpoint, utcnow
-from gateway.services.jobs import add_event, update_fields
+from gateway.services.jobwrites import add_event, update_fields
 from gateway.storage.verbs import tenant_json
 
 DPO_EVAL = ("reward_margin", "reward_accuracy", "logp_accuracy", "chosen_reward", "rejected_reward")

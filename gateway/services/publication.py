@@ -5,7 +5,8 @@ results as the tenant (``publish_build``), the eval gate and ``check_results`` j
 what came back, the result ``DataFile`` rows and the PUBLISHED transition are recorded,
 ``publish_commit`` renames the build dir into ``artifacts/<id>/`` and the session
 commits; on any failure it rolls back and removes what was built. Imports the models,
-``gateway.services.publish``, ``services.jobs`` and storage's verbs and layout; the reconciler calls
+``gateway.services.publish``, ``services.jobspec``/``jobcreate``/``jobwrites`` and storage's verbs
+and layout; the reconciler calls
 ``publish_attempt`` for a job in PUBLISHING.
 """
 
@@ -19,9 +20,8 @@ from sqlmodel import Session, col, select
 from gateway.config import Settings
 from gateway.errors import Conflict, ServiceError
 from gateway.models import DataFile, FineTuningJob, JobCheckpoint, new_id, utcnow
-from gateway.services import jobs as jobs_svc
-from gateway.services import publish
-from gateway.services.jobs import apply_event
+from gateway.services import jobcreate, jobspec, publish
+from gateway.services.jobwrites import apply_event
 from gateway.state import Cleanup, Event, FailReason
 from gateway.storage import Storage, layout
 
@@ -72,9 +72,9 @@ def build_lineage(*, session: Session, settings: Settings, job: FineTuningJob, t
     ours: str | None = None
     spec: dict[str, Any] | None = None
     try:
-        entry = jobs_svc.catalog_entry(settings, job.model)
+        entry = jobcreate.catalog_entry(settings, job.model)
         if train is not None:
-            spec = jobs_svc.job_spec(settings, tenant, job, train, val, entry, init)
+            spec = jobspec.job_spec(settings, tenant, job, train, val, entry, init)
             ours = spec_hash(parse_spec(spec))
     except ServiceError:
         ours = None   # the base left the catalog: the record says it could not check

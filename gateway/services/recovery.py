@@ -14,7 +14,7 @@ from sqlmodel import Session
 from gateway.config import Settings
 from gateway.errors import ServiceError
 from gateway.models import DataFile, FineTuningJob, Tenant
-from gateway.services import jobs as job_service
+from gateway.services import jobcreate, jobspec
 from gateway.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ def resubmittable_spec(*, session: Session, settings: Settings, storage: Storage
             saved = storage.tenant(tenant.name).read_spec(job.id)
         except ServiceError:
             saved = None
-        if saved is not None and not job_service.saved_spec_matches(saved, spec):
+        if saved is not None and not jobspec.saved_spec_matches(saved, spec):
             log.warning("job %s: the spec.json in tenant storage differs from the gateway's "
                         "record; submitting the recorded spec", job.id)
     return spec
@@ -47,9 +47,9 @@ def _rebuilt_spec(session: Session, settings: Settings, job: FineTuningJob, tena
     if job.init_file and (init is None or init.deleted_at is not None):
         return None
     try:
-        entry = job_service._catalog_entry(settings, job.model)   # looked up at call time (tests patch it)
+        entry = jobcreate._catalog_entry(settings, job.model)   # looked up at call time (tests patch it)
         if job.model_digest and entry.digest != job.model_digest:
             return None
-        return job_service.job_spec(settings, tenant.name, job, train, val, entry, init)
+        return jobspec.job_spec(settings, tenant.name, job, train, val, entry, init)
     except ServiceError:
         return None

@@ -24,7 +24,7 @@ from gateway.access.tokens import Principal
 from gateway.config import Settings
 from gateway.errors import NotFound, ServiceError
 from gateway.models import FineTuningJob, Sweep, new_id, utcnow
-from gateway.services import jobs as jobs_svc
+from gateway.services import jobcontrol, jobcreate, jobreads, jobspec, jobwrites
 from gateway.state import ACTIVE, Event, FailReason, JobState, SweepState
 
 log = logging.getLogger(__name__)
@@ -86,20 +86,20 @@ def expand(grid: dict[str, list[Any]], max_runs: int) -> list[dict[str, Any]]:
 
 
 def create_sweep(*, session: Session, settings: Settings, principal: Principal, req: SweepRequest,
-                 submit: jobs_svc.Submit) -> Sweep:
+                 submit: jobcreate.Submit) -> Sweep:
     """Validate, admit and record every run, then submit them as one job array (see the module doc).
     A run that fails its checks refuses the whole sweep (400/404, nothing recorded); a refused
     sbatch fails every run with Slurm's words, as ``submit_job`` does for one job."""
-    tid = jobs_svc.tenant_id_of(principal)
+    tid = jobreads.tenant_id_of(principal)
     assert principal.tenant_name is not None
     if not req.validation_file:
         raise ServiceError("a sweep compares its runs by validation loss: give validation_file",
                            param="validation_file")
     for param, file_id in (("training_file", req.training_file), ("validation_file", req.validation_file)):
-        jobs_svc.usable_file(session, principal, file_id, param)      # 404 for a file that is not the tenant's
-    shared = jobs_svc.build_hyperparameters(req.hyperparameters)
+        jobcreate.usable_file(session, principal, file_id, param)      # 404 for a file that is not the tenant's
+    shared = jobspec.build_hyperparameters(req.hyperparameters)
     points = expand(req.grid, settings.max_sweep_runs)
-    overlap = sorted(set(jobs_svc.build_hyperparameters(points[0])) & set(shared))
+    overlap = sorted(set(jobspec.build_hyperparameters(points[0])) & set(shared))
     if overlap:
         raise ServiceError(f"hyperparameters.{overlap[0]} is also in the grid: give it in one place",
                            param=f"hyperparameters.{overlap[0]}")
@@ -107,22 +107,22 @@ def create_sweep(*, session: Session, settings: Settings, principal: Principal, 
                   suffix=req.suffix)
     runs: list[tuple[FineTuningJob, dict[str, Any]]] = []
     for point in points:           # every run checked and admitted before anything is written
-        run = jobs_svc.JobRequest(training_file=req.training_file, model=req.model,
+        run = jobcreate.JobRequest(training_file=req.training_file, model=req.model,
                                   validation_file=req.validation_file,
                                   hyperparameters={**req.hyperparameters, **point}, suffix=req.suffix, seed=req.seed)
-        runs.append(jobs_svc.prepare_job(session=session, settings=settings, principal=principal, req=run,
+        runs.append(jobcreate.prepare_job(session=session, settings=settings, principal=principal, req=run,
                                          submit=submit, sweep_id=sweep.id, pending=len(runs)))
     sweep.job_ids = [job.id for job, _ in runs]
     session.add(sweep)
     for job, _ in runs:
         session.add(job)
         session.flush()
-        jobs_svc.add_event(session, job.id, f"Created fine-tuning job: {job.id} (run of sweep {sweep.id})")
+        jobwrites.add_event(session, job.id, f"Created fine-tuning job: {job.id} (run of sweep {sweep.id})")
     session.commit()
     tenant = principal.tenant_name
     if settings.local or not isinstance(submit, ArraySubmit):
         for job, spec in runs:
-            jobs_svc.submit_job(session=session, job=job, spec=spec, tenant=tenant, submit=submit)
+            jobcreate.submit_job(session=session, job=job, spec=spec, tenant=tenant, submit=submit)
         return sweep
     _submit_array(session, sweep, runs, tenant, submit)
     return sweep
@@ -138,7 +138,7 @@ def _submit_array(session: Session, sweep: Sweep, runs: list[tuple[FineTuningJob
     except SlurmError as e:
         msg = getattr(e, "message", str(e))
         for job in jobs:
-            jobs_svc.apply_event(session, job, Event.ERROR, level="error",
+            jobwrites.apply_event(session, job, Event.ERROR, level="error",
                                  message=f"Submission of sweep {sweep.id} to Slurm failed: {msg}",
                                  error={"code": "submission_failed", "message": msg, "param": None,
                                         "reason": FailReason.INTERNAL.value},
@@ -146,7 +146,7 @@ def _submit_array(session: Session, sweep: Sweep, runs: list[tuple[FineTuningJob
         session.commit()
         return
     for task, (job, slurm_id) in enumerate(zip(jobs, ids, strict=True)):
-        jobs_svc.apply_event(session, job, Event.SUBMITTED,
+        jobwrites.apply_event(session, job, Event.SUBMITTED,
                              message=f"Job queued as task {task} of Slurm job array {array_id} "
                                      f"(Slurm job {slurm_id}, QOS {qos})",
                              slurm_job_id=slurm_id, qos=qos)
@@ -157,7 +157,7 @@ def _submit_array(session: Session, sweep: Sweep, runs: list[tuple[FineTuningJob
 
 def get_sweep(*, session: Session, principal: Principal, sweep_id: str) -> Sweep:
     """The caller's sweep; NotFound (404) otherwise, another tenant's included."""
-    tid = jobs_svc.tenant_id_of(principal)
+    tid = jobreads.tenant_id_of(principal)
     sweep = session.get(Sweep, sweep_id)
     if sweep is None or sweep.tenant_id != tid:
         raise NotFound(f"no such sweep: {sweep_id}", param="sweep_id")
@@ -166,7 +166,7 @@ def get_sweep(*, session: Session, principal: Principal, sweep_id: str) -> Sweep
 
 def list_sweeps(*, session: Session, principal: Principal, limit: int = 20) -> list[Sweep]:
     """The caller's sweeps, newest first."""
-    tid = jobs_svc.tenant_id_of(principal)
+    tid = jobreads.tenant_id_of(principal)
     return list(session.exec(select(Sweep).where(Sweep.tenant_id == tid)
                              .order_by(col(Sweep.created_at).desc()).limit(limit)))
 
@@ -217,7 +217,7 @@ def cancel_sweep(*, session: Session, principal: Principal, sweep_id: str) -> Sw
     for job in sweep_jobs(session, sweep):
         if JobState(job.status) in ACTIVE:
             try:
-                jobs_svc.request_cancel(session=session, principal=principal, job_id=job.id)
+                jobcontrol.request_cancel(session=session, principal=principal, job_id=job.id)
             except ServiceError as e:      # it finished meanwhile
                 log.info("sweep %s: run %s not cancelled: %s", sweep.id, job.id, e)
     return sweep

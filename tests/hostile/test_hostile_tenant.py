@@ -252,7 +252,7 @@ def test_publication_build_dir_swapped_for_a_link(gw: LiveGateway, victim_root_d
 
 
 def test_tampered_spec_is_never_submitted(gw: LiveGateway) -> None:
-    from gateway.services.jobs import saved_spec_matches
+    from gateway.services.jobspec import saved_spec_matches
 
     spec = {"job_id": "x", "job_dir": str(ROOT_A / "jobs" / "x")}
     planted = dict(spec, job_dir=str(STORAGE / "tenants" / VICTIM / "jobs" / "x"))

@@ -32,7 +32,7 @@ def test_epochs_that_are_not_whole_numbers_are_a_400_not_a_500() -> None:
     import pytest
 
     from gateway.errors import ServiceError
-    from gateway.services.jobs import MAX_EPOCHS, _epochs
+    from gateway.services.jobspec import MAX_EPOCHS, _epochs
     from trainer.contract.spec import Hyperparameters
 
     assert Hyperparameters.model_fields["epochs"].metadata[-1].le == MAX_EPOCHS
@@ -99,7 +99,7 @@ def test_gateway_killed_before_spec_json_resubmits_from_the_row(tmp_path, monkey
     fake = FakeSlurm(accounts=("acme",))
     client = SlurmClient(fake)
     digest = "sha256:" + "a" * 64
-    monkeypatch.setattr("gateway.services.jobs._catalog_entry",
+    monkeypatch.setattr("gateway.services.jobcreate._catalog_entry",
                         lambda _s, name: SimpleNamespace(name=name, digest=digest))
     with Session(engine) as s:
         s.add(Tenant(id=1, name="acme", unix_user="sft-acme"))

@@ -20,7 +20,7 @@ from gateway.access.tokens import authenticate, create_token
 from gateway.errors import Conflict
 from gateway.jobs.reconciler import Reconciler
 from gateway.models import DataFile, FineTuningJob, Role, Tenant
-from gateway.services.jobs import request_cancel
+from gateway.services.jobcontrol import request_cancel
 from gateway.services.tenants import ensure_tenant
 from gateway.state import JobState
 from gateway.storage.layout import tenant_root

@@ -1,5 +1,5 @@
 """The hot read routes (retrieve, list and events of fine-tuning jobs; issue 20) answer byte for byte
-what the ORM path answers: ``job_object`` / ``event_object`` over the rows ``services.jobs`` loads,
+what the ORM path answers: ``job_object`` / ``event_object`` over the rows ``services.jobreads`` loads,
 encoded by FastJSON. Jobs in every shape (queued with a start estimate, running with internal progress
 keys, failed with an error, succeeded with results, continued, in a sweep); the official openai SDK
 parses each; another tenant gets 404 for every id and an empty list."""
@@ -15,7 +15,7 @@ from gateway.access.tokens import Principal
 from gateway.api.fastjson import FastJSON
 from gateway.api.jobs import event_object, job_object
 from gateway.models import DataFile, FineTuningJob, JobEvent, Role, Tenant, utcnow
-from gateway.services import jobs as svc
+from gateway.services import jobreads
 from tests.service.conftest import TENANT_A, TENANT_B, Gateway
 
 pytestmark = pytest.mark.service
@@ -78,25 +78,25 @@ def test_retrieve_list_and_events_answer_what_the_orm_path_answers(gw: Gateway) 
     with Session(gw.app.state.engine) as s:
         for jid in ids:
             r = gw.client.get(f"/v1/fine_tuning/jobs/{jid}", headers=gw.auth(TENANT_A))
-            want = FastJSON(job_object(svc.get_job(session=s, principal=me, job_id=jid), TENANT_A)).body
+            want = FastJSON(job_object(jobreads.get_job(session=s, principal=me, job_id=jid), TENANT_A)).body
             assert r.status_code == 200 and r.content == want, (r.content, want)
             OpenAIJob.model_validate(r.json())
             for q, after in (("?limit=2", None), ("?limit=100", None), ("?limit=1&after=", "x")):
                 cursor = None
                 if after:
-                    events, _ = svc.list_events(session=s, principal=me, job_id=jid, after=None, limit=1)
+                    events, _ = jobreads.list_events(session=s, principal=me, job_id=jid, after=None, limit=1)
                     cursor = events[0].id
                     q = f"?limit=1&after=ftevent-{cursor}"
                 r = gw.client.get(f"/v1/fine_tuning/jobs/{jid}/events{q}", headers=gw.auth(TENANT_A))
                 limit = int(q.split("limit=")[1].split("&")[0])
-                rows, more = svc.list_events(session=s, principal=me, job_id=jid, after=cursor, limit=limit)
+                rows, more = jobreads.list_events(session=s, principal=me, job_id=jid, after=cursor, limit=limit)
                 assert r.status_code == 200 and r.content == _listing([event_object(e) for e in rows], more)
                 for e in r.json()["data"]:
                     OpenAIEvent.model_validate(e)
         for q, after in (("?limit=20", None), ("?limit=2", None), ("?limit=2", ids[3]), ("?limit=100", ids[0])):
             r = gw.client.get(f"/v1/fine_tuning/jobs{q}" + (f"&after={after}" if after else ""),
                               headers=gw.auth(TENANT_A))
-            rows, more = svc.list_jobs(session=s, principal=me, after=after, limit=int(q.split("=")[1]))
+            rows, more = jobreads.list_jobs(session=s, principal=me, after=after, limit=int(q.split("=")[1]))
             assert r.status_code == 200 and r.content == _listing([job_object(j, TENANT_A) for j in rows], more)
         assert len(gw.client.get("/v1/fine_tuning/jobs?limit=100", headers=gw.auth(TENANT_A)).json()["data"]) == 6
 

@@ -9,7 +9,7 @@ import pytest
 from gateway.config import Settings
 from gateway.errors import ServiceError
 from gateway.models import DataFile, FineTuningJob
-from gateway.services.jobs import build_hyperparameters, job_spec
+from gateway.services.jobspec import build_hyperparameters, job_spec
 from gateway.storage.layout import result_path
 from trainer.catalog import CatalogEntry
 from trainer.contract.spec import parse_spec, spec_hash
@@ -74,7 +74,7 @@ def test_a_gang_job_asks_the_trainer_for_one_rank_per_gpu(tmp_path: Path) -> Non
 ])
 def test_gangs_this_site_cannot_run_are_refused(tmp_path: Path, gpus: int, nodes: int, local: bool,
                                                message: str) -> None:
-    from gateway.services.jobs import check_resources
+    from gateway.services.jobcreate import check_resources
 
     s = Settings(storage_root=tmp_path, database_url="sqlite://", **({"backend": "local", "data_dir": tmp_path}
                                                                      if local else {}))
@@ -85,7 +85,7 @@ def test_gangs_this_site_cannot_run_are_refused(tmp_path: Path, gpus: int, nodes
 
 
 def test_the_estimate_counts_the_ranks(tmp_path: Path) -> None:
-    from gateway.services.jobs import estimate
+    from gateway.services.jobcreate import estimate
 
     s = Settings(storage_root=tmp_path, database_url="sqlite://", throughput_tokens_per_s=1000.0,
                  job_overhead_s=0, parallel_efficiency=0.8)
@@ -119,7 +119,7 @@ def _dpo_spec(tmp_path: Path, hp: dict[str, object]) -> dict[str, object]:
 
 
 def test_a_dpo_job_tells_the_trainer_its_method_and_beta(tmp_path: Path) -> None:
-    from gateway.services.jobs import DEFAULT_BETA
+    from gateway.services.jobspec import DEFAULT_BETA
     from trainer.contract.spec import Hyperparameters
 
     spec = _dpo_spec(tmp_path, {"beta": 0.25, "n_epochs": 2})
@@ -146,7 +146,7 @@ def test_dpo_settings_that_cannot_train_are_a_clear_400(tmp_path: Path, hp: dict
 
 
 def test_a_supervised_request_keeps_its_idempotency_digest() -> None:
-    from gateway.services.jobs import JobRequest
+    from gateway.services.jobcreate import JobRequest
 
     plain = JobRequest(training_file="file-1", model="tiny-chat")
     assert plain.digest() == JobRequest(training_file="file-1", model="tiny-chat", method="supervised").digest()

@@ -103,7 +103,7 @@ def _spec(**hp: object) -> dict[str, object]:
 
 
 def test_memory_limit_gpu_partition_cpu_partition_and_unknown() -> None:
-    from gateway.services.jobs import memory_limit
+    from gateway.services.jobmemory import memory_limit
 
     assert memory_limit(_settings()) == ("default", "cpu", 8192 << 20)       # the dev cluster: CPU, --mem
     assert memory_limit(_settings(slurm_partition="a100", gpu_memory_gib={"a100": 80})) == \
@@ -114,7 +114,7 @@ def test_memory_limit_gpu_partition_cpu_partition_and_unknown() -> None:
 
 
 def test_memory_check_refuses_with_the_figures_and_admits_what_fits() -> None:
-    from gateway.services.jobs import memory_check
+    from gateway.services.jobmemory import memory_check
 
     shape = memory.ModelShape.from_config(LLAMA_8B)
     small_gpu = _settings(gpu_memory_gib={"default": 16})
@@ -136,7 +136,7 @@ def test_memory_check_refuses_with_the_figures_and_admits_what_fits() -> None:
 
 def test_widen_default_budget_refuse_explicit_one() -> None:
     from gateway.errors import ServiceError
-    from gateway.services.jobs import widen_for_ranks
+    from gateway.services.jobmemory import widen_for_ranks
 
     hp: dict[str, object] = {}
     note = widen_for_ranks(hp, "supervised", 8)

@@ -1,0 +1,411 @@
+"""Creating a fine-tuning job: files checked, the base model or parent found, admission
+(the tenant's limits, GPUs its QOS tiers allow, memory), the row recorded, then sbatch.
+
+The row is committed before sbatch, so a crash loses nothing (the reconciler adopts or
+resubmits it); ``prepare_job`` is the first half, shared with sweeps and the estimate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, col, select
+
+from gateway.access.tokens import Principal
+from gateway.config import Settings
+from gateway.errors import Conflict, NotFound, ServiceError, TooManyJobs
+from gateway.models import DataFile, FileStatus, FineTuningJob, utcnow
+from gateway.services.files import get_file
+from gateway.services.jobmemory import _model_shape, memory_check, widen_for_ranks
+from gateway.services.jobmodels import CHECKPOINT_MODEL, checkpoint_files, checkpoint_model_name, find_checkpoint_model
+from gateway.services.jobreads import get_job, tenant_id_of
+from gateway.services.jobspec import _epochs, build_hyperparameters, job_spec
+from gateway.services.jobwrites import add_event, apply_event
+from gateway.state import ACTIVE, Event, FailReason, JobState
+
+if TYPE_CHECKING:
+    from trainer.catalog import CatalogEntry
+
+
+class Submit(Protocol):
+    """``submit(job, spec, tenant) -> (scheduler job id, qos)``: ``jobs.submission.Submitter``."""
+
+    def __call__(self, job: FineTuningJob, spec: dict[str, Any], tenant: str) -> tuple[int, str]:
+        """Submit ``job`` as ``tenant``; return the scheduler's job id and the QOS tier used."""
+        ...
+
+    def qos_for(self, tenant: str, minutes: int, gpus: int = 1) -> str:
+        """The QOS tier a job of ``minutes`` on ``gpus`` GPUs would get; ServiceError naming the limit
+        when none of the tenant's tiers allows that many GPUs."""
+        ...
+
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    training_file: str
+    model: str
+    validation_file: str | None = None
+    hyperparameters: dict[str, Any] = field(default_factory=dict)
+    suffix: str | None = None
+    seed: int | None = None
+    metadata: dict[str, str] | None = None
+    idempotency_key: str | None = None
+    gpus: int = 1           # in all: one trainer rank each
+    nodes: int = 1
+    fsdp: bool = False      # shard the model over the ranks
+    from_checkpoint: str | None = None   # "<job id>[:<step>]": continue from that job's checkpoint (Together's way)
+    method: str = "supervised"           # or "dpo": preference pairs (METHODS)
+
+    def digest(self) -> str:
+        """sha256 of the request without its idempotency key: a reused key must come with the same request."""
+        # fields at their defaults that came later are left out: a retry of an older request keeps its digest
+        fields = {k: v for k, v in self.__dict__.items()
+                  if k != "idempotency_key" and not (k in ("fsdp", "from_checkpoint") and not v)
+                  and not (k == "method" and v == "supervised")}
+        body = json.dumps(fields,
+                          sort_keys=True, default=str)
+        return hashlib.sha256(body.encode()).hexdigest()
+
+
+def usable_file(session: Session, principal: Principal, file_id: str, param: str) -> DataFile:
+    """The caller's processed file ``file_id`` (NotFound naming ``param``; ServiceError if not processed)."""
+    try:
+        row = get_file(session=session, principal=principal, file_id=file_id)
+    except NotFound as e:
+        raise NotFound(f"no such file: {file_id}", param=param) from e
+    if row.status != FileStatus.PROCESSED:
+        raise ServiceError(f"file {file_id} has status {row.status!r}: only validated files "
+                           f"(status 'processed') can be used for training ({row.status_details or ''})",
+                           param=param, code="invalid_file")
+    return row
+
+
+METHODS = {"supervised": "chat", "dpo": "preference"}
+"""Each training method and the dataset format it trains on (the upload validator's ``stats.format``)."""
+
+
+def _file_format(row: DataFile) -> str:
+    """File ``row``'s format as its validation found it (a file validated before formats existed is chat)."""
+    return str(((row.validation or {}).get("stats") or {}).get("format") or "chat")
+
+
+def method_for(row: DataFile) -> str:
+    """The method that trains on file ``row``'s format."""
+    have = _file_format(row)
+    return next(method for method, fmt in METHODS.items() if fmt == have)
+
+
+def _fits_method(row: DataFile, method: str, param: str) -> None:
+    """ServiceError (400, ``invalid_file``) unless file ``row`` holds the format ``method`` trains on."""
+    have, want = _file_format(row), METHODS[method]
+    if have != want:
+        what = {"chat": "chat conversations ({\"messages\": [...]})",
+                "preference": "preference pairs ({\"input\", \"preferred_output\", \"non_preferred_output\"})"}
+        raise ServiceError(f"{param} {row.id} holds {what[have]}, but a {method} job trains on {what[want]}",
+                           param=param, code="invalid_file")
+
+
+def check_resources(settings: Settings, gpus: int, nodes: int, fsdp: bool = False) -> None:
+    """ServiceError (400, naming the field) unless ``gpus`` over ``nodes`` is a gang this site runs:
+    whole GPUs per node (``gpus % nodes == 0``), at most ``max_gpus_per_node`` per node and
+    ``max_nodes_per_job`` nodes; local mode runs one process (no gang, no ``fsdp``)."""
+    if nodes < 1 or gpus < 1:
+        raise ServiceError("resources.gpus and resources.nodes must be at least 1", param="resources")
+    if gpus % nodes:
+        raise ServiceError(f"resources.gpus ({gpus}) must be a multiple of resources.nodes ({nodes}): "
+                           "every node runs the same number of ranks", param="resources.gpus")
+    if nodes > settings.max_nodes_per_job:
+        raise ServiceError(f"resources.nodes ({nodes}) is over this site's limit of {settings.max_nodes_per_job} "
+                           "nodes per job", param="resources.nodes")
+    if gpus // nodes > settings.max_gpus_per_node:
+        raise ServiceError(f"resources: {gpus // nodes} GPUs per node is over this site's "
+                           f"{settings.max_gpus_per_node} per node: spread them over more nodes",
+                           param="resources.gpus")
+    if settings.local and gpus > 1:
+        raise ServiceError("local mode runs one trainer process: resources.gpus must be 1", param="resources.gpus")
+    if settings.local and fsdp:
+        raise ServiceError("local mode runs one trainer process: resources.fsdp needs a Slurm gang",
+                           param="resources.fsdp")
+
+
+def catalog_entry(settings: Settings, name: str) -> CatalogEntry:
+    """The base model ``name`` of the site's catalog; ServiceError (``model_not_found``) naming the others."""
+    return _catalog_entry(settings, name)
+
+
+def _catalog_entry(settings: Settings, name: str) -> CatalogEntry:
+    from trainer import catalog
+
+    entries = catalog.list_models(settings.models_root)
+    for e in entries:
+        if e.name == name:
+            return e
+    names = ", ".join(sorted({e.name for e in entries})) or "none registered"
+    raise ServiceError(f"unknown base model {name!r}; available: {names}", param="model",
+                       code="model_not_found")
+
+
+def estimate(settings: Settings, train: DataFile, epochs: int, gpus: int = 1) -> tuple[int, int]:
+    """(training tokens, time limit in minutes) for --time: backfill can place small jobs.
+
+    ``gpus`` ranks share the tokens (data parallel); the estimate counts them at
+    ``settings.parallel_efficiency`` each beyond the first, never faster than that."""
+    stats = (train.validation or {}).get("stats") or {}
+    tokens = (stats.get("tokens") or {}).get("total") or max(1, train.bytes // 4)
+    training_tokens = int(tokens) * epochs
+    speedup = 1 + (gpus - 1) * settings.parallel_efficiency
+    seconds = training_tokens / (settings.throughput_tokens_per_s * speedup) + settings.job_overhead_s
+    return training_tokens, max(5, math.ceil(1.5 * seconds / 60))
+
+
+def create_job(*, session: Session, settings: Settings, principal: Principal, req: JobRequest,
+               submit: Submit) -> FineTuningJob:
+    """Validate, admit, record and submit a job. ``submit(job, spec, tenant) -> (id, qos)`` runs sbatch.
+
+    The same Idempotency-Key with the same body returns the same job; with another
+    body it is a 409. The row is committed before sbatch, so a crash loses nothing
+    (the reconciler adopts or resubmits it).
+    """
+    tid = tenant_id_of(principal)
+    if req.idempotency_key:
+        existing = session.exec(select(FineTuningJob).where(
+            FineTuningJob.tenant_id == tid, FineTuningJob.idempotency_key == req.idempotency_key)).first()
+        if existing is not None:
+            return _same_request(existing, req)
+    job, spec = prepare_job(session=session, settings=settings, principal=principal, req=req, submit=submit)
+    try:
+        with session.begin_nested():      # the write lock only from here (SQLite): checks and sacctmgr ran before
+            session.add(job)
+            session.flush()
+    except IntegrityError:
+        existing = session.exec(select(FineTuningJob).where(
+            FineTuningJob.tenant_id == tid, FineTuningJob.idempotency_key == req.idempotency_key)).first()
+        if existing is None:
+            raise
+        return _same_request(existing, req)
+    add_event(session, job.id, f"Created fine-tuning job: {job.id}")
+    if (note := _widened(req, job)) is not None:
+        add_event(session, job.id, note, level="warning")
+    session.commit()
+    assert principal.tenant_name is not None
+    submit_job(session=session, job=job, spec=spec, tenant=principal.tenant_name, submit=submit)
+    return job
+
+
+def _widened(req: JobRequest, job: FineTuningJob) -> str | None:
+    """The note of :func:`widen_for_ranks` when it widened ``job``'s steps (for its event log)."""
+    hp = build_hyperparameters(req.hyperparameters)
+    return widen_for_ranks(hp, req.method, req.gpus) if "batch_size_tokens" not in hp and \
+        "batch_size_tokens" in (job.hyperparameters or {}) else None
+
+
+def prepare_job(*, session: Session, settings: Settings, principal: Principal, req: JobRequest,
+                submit: Submit, sweep_id: str | None = None, pending: int = 0,
+                check_memory: bool = True) -> tuple[FineTuningJob, dict[str, Any]]:
+    """Validate and admit ``req``: its row (not added to the session: the caller adds it, so that
+    no write, and in SQLite no write lock, happens during the checks) and its spec. ``pending``:
+    jobs of the same request (a sweep's) not in the database yet, counted against the tenant's
+    limit of unfinished jobs. ``check_memory``: refuse (400, ``insufficient_memory``) a job whose
+    estimated per-rank peak is over what its ranks have (:func:`memory_check`; the estimate route
+    reports it instead)."""
+    tid = tenant_id_of(principal)
+    tenant_name = principal.tenant_name
+    assert tenant_name is not None          # _tenant_id refused a principal without a tenant
+    train = usable_file(session, principal, req.training_file, "training_file")
+    val = usable_file(session, principal, req.validation_file, "validation_file") \
+        if req.validation_file else None
+    for row, param in ((train, "training_file"), (val, "validation_file")):
+        if row is not None:
+            _fits_method(row, req.method, param)
+    hp = build_hyperparameters(req.hyperparameters)
+    model = _checkpoint_model(session, principal, req) if req.from_checkpoint else req.model
+    parent, init = _parent(session, principal, model, hp) if model.startswith("ft:") else (None, None)
+    base = parent.model if parent is not None else model
+    entry = _catalog_entry(settings, base)
+    if parent is not None and parent.model_digest and entry.digest != parent.model_digest:
+        raise ServiceError(f"the base model {base} changed since {model} was trained (digest "
+                           f"{parent.model_digest}, now {entry.digest}): its adapter does not fit the new base",
+                           param="model", code="model_changed")
+    if req.seed is not None:
+        hp["seed"] = req.seed
+    epochs = _epochs(hp)
+    check_resources(settings, req.gpus, req.nodes, req.fsdp)
+    tokens, minutes = estimate(settings, train, epochs, req.gpus)
+    _admit(session, settings, tid, tokens, minutes, pending)
+    _gpus_allowed(submit, tenant_name, minutes, req.gpus)
+    widen_for_ranks(hp, req.method, req.gpus)
+    job = FineTuningJob(tenant_id=tid, training_file=train.id, validation_file=val.id if val else None,
+                        model=base, model_digest=entry.digest, hyperparameters=hp,
+                        parent_model=model if parent is not None else None,
+                        init_file=init.id if init is not None else None, sweep_id=sweep_id,
+                        suffix=req.suffix, seed=req.seed, meta=req.metadata,
+                        idempotency_key=req.idempotency_key, request_hash=req.digest(),
+                        estimated_tokens=tokens, time_limit_min=minutes, gpus=req.gpus, nodes=req.nodes,
+                        fsdp=req.fsdp, method=req.method)
+    spec = job_spec(settings, tenant_name, job, train, val, entry, init)  # validates hp before any row exists
+    shape = _model_shape(settings, entry) if check_memory else None
+    if shape is not None and (check := memory_check(settings, spec, shape)).fits is False:
+        raise ServiceError(check.refusal(), param="hyperparameters", code="insufficient_memory")
+    return job, spec
+
+
+def estimate_job(*, session: Session, settings: Settings, principal: Principal, req: JobRequest,
+                 submit: Submit) -> dict[str, Any]:
+    """A dry run of ``create_job``: the same checks and admission (the same errors), nothing written
+    or submitted; returns what the job would take and when it would start (``Submitter.expected_start``)."""
+    job, spec = prepare_job(session=session, settings=settings, principal=principal, req=req, submit=submit,
+                            check_memory=False)
+    minutes = job.time_limit_min or 60
+    out: dict[str, Any] = {"object": "fine_tuning.job.estimate", "model": job.model,
+                           "estimated_tokens": job.estimated_tokens, "gpus": job.gpus, "nodes": job.nodes,
+                           "time_limit_minutes": minutes, "expected_minutes": max(1, round(minutes / 1.5)),
+                           "gpu_hours": round(job.gpus * minutes / 1.5 / 60, 3),
+                           "batch_size_tokens": (job.hyperparameters or {}).get("batch_size_tokens"),
+                           "warnings": [note] if (note := _widened(req, job)) else []}
+    shape = _model_shape(settings, _catalog_entry(settings, job.model))
+    if shape is not None:
+        check = memory_check(settings, spec, shape)
+        out["memory"] = check.as_dict()
+        if check.fits is False:
+            out["warnings"].append(check.refusal())
+    starts = getattr(submit, "expected_start", None)
+    if starts is not None:
+        assert principal.tenant_name is not None
+        est = starts(job, spec, principal.tenant_name)
+        out.update(qos=est.qos, expected_start=int(est.start.timestamp()) if est.start else None,
+                   start_reason=est.reason, start_detail=est.why, nodes_planned=est.nodes)
+    return out
+
+
+LORA_SHAPE = ("lora_r", "lora_alpha", "target_modules")
+"""Hyperparameters a continued job takes from its parent: the adapter's shape and scale."""
+
+
+def _checkpoint_model(session: Session, principal: Principal, req: JobRequest) -> str:
+    """``from_checkpoint`` ("<job id>[:<step>]", the newest published checkpoint without a step) as the
+    checkpoint's model name. ``model`` must name the same lineage: the job's base, its model or that
+    checkpoint. NotFound (404) for a job or step that is not the tenant's published checkpoint."""
+    assert req.from_checkpoint is not None
+    job_id, _, raw_step = req.from_checkpoint.partition(":")
+    try:
+        job = get_job(session=session, principal=principal, job_id=job_id)
+    except NotFound:
+        raise NotFound(f"no such job: {job_id}", param="from_checkpoint") from None
+    files = checkpoint_files(session, job) if job.status == JobState.SUCCEEDED else {}
+    step = int(raw_step) if raw_step.isdigit() else max(files, default=0)
+    if step not in files:
+        raise NotFound(f"job {job_id} has no published checkpoint{f' at step {raw_step}' if raw_step else ''}: "
+                       f"a job's checkpoints become models when it succeeds (those it still kept)",
+                       param="from_checkpoint")
+    name = checkpoint_model_name(job, step)
+    if req.model not in (job.model, job.fine_tuned_model, name):
+        raise ServiceError(f"model {req.model!r} is not the lineage of {req.from_checkpoint}: give {job.model!r} "
+                           f"or {name!r}", param="model")
+    return name
+
+
+def _parent(session: Session, principal: Principal, model_id: str, hp: dict[str, Any]
+            ) -> tuple[FineTuningJob, DataFile]:
+    """The tenant's own published model ``model_id`` (a job's or one of its checkpoints') and its
+    adapter tar, for continued training.
+
+    Fills ``hp`` with the parent's LoRA shape (``LORA_SHAPE``) where the request leaves it out.
+    Raises NotFound (404) for a model the tenant does not own (a foreign one included),
+    ServiceError (400) when its adapter file is gone or the request asks for another LoRA shape."""
+    from trainer.contract.spec import Hyperparameters
+
+    tid = tenant_id_of(principal)
+    if CHECKPOINT_MODEL.fullmatch(model_id):
+        parent, _, published = find_checkpoint_model(session=session, principal=principal, model_id=model_id)
+        adapters = [published]
+    else:
+        found = session.exec(select(FineTuningJob).where(FineTuningJob.tenant_id == tid,
+                                                         FineTuningJob.fine_tuned_model == model_id)).first()
+        if found is None or found.status != JobState.SUCCEEDED:
+            raise NotFound(f"no such model: {model_id}", param="model")
+        parent = found
+        adapters = [f for f in (session.get(DataFile, i) for i in parent.result_files or [])
+                    if f is not None and f.deleted_at is None and f.filename == f"{parent.id}-adapter.tar"]
+    if not adapters:
+        raise ServiceError(f"{model_id}'s adapter file is deleted: it cannot be trained further",
+                           param="model", code="invalid_model")
+    inherited = Hyperparameters.model_validate(
+        {k: v for k, v in (parent.hyperparameters or {}).items() if k in LORA_SHAPE}).model_dump(mode="json")
+    for key in LORA_SHAPE:
+        try:
+            asked = Hyperparameters.model_validate({key: hp[key]}).model_dump(mode="json")[key] if key in hp \
+                else inherited[key]
+        except ValueError:   # pydantic's ValidationError: not a value of that field at all
+            raise ServiceError(f"hyperparameters.{key}: {hp[key]!r} is not a valid value",
+                               param=f"hyperparameters.{key}") from None
+        if asked != inherited[key]:
+            raise ServiceError(f"hyperparameters.{key} must be the parent's ({inherited[key]!r}) to continue "
+                               f"training {model_id}: the adapter keeps its shape", param=f"hyperparameters.{key}")
+        hp[key] = inherited[key]
+    return parent, adapters[0]
+
+
+def _gpus_allowed(submit: Submit, tenant: str, minutes: int, gpus: int) -> None:
+    """Refuse (400, naming the limit) a job whose GPUs no QOS tier of the tenant allows, before a row
+    exists; when the tiers cannot be read now (Slurm down), submission records that instead."""
+    from gateway.errors import SlurmError
+
+    try:
+        submit.qos_for(tenant, minutes, gpus)
+    except SlurmError:
+        log.warning("QOS tiers of %s unreadable at admission; submission will decide", tenant)
+
+
+def _same_request(existing: FineTuningJob, req: JobRequest) -> FineTuningJob:
+    if existing.request_hash != req.digest():
+        raise Conflict("this Idempotency-Key was already used with a different request",
+                       code="idempotency_key_reused")
+    return existing
+
+
+def _admit(session: Session, settings: Settings, tid: int, tokens: int, minutes: int, pending: int = 0) -> None:
+    active = pending + session.exec(select(sa.func.count()).select_from(FineTuningJob).where(
+        FineTuningJob.tenant_id == tid, col(FineTuningJob.status).in_([s.value for s in ACTIVE]))).one()
+    if active >= settings.max_active_jobs_per_tenant:
+        raise TooManyJobs(f"your tenant already has {active} unfinished jobs; the limit is "
+                          f"{settings.max_active_jobs_per_tenant}: wait for some to finish")
+    if tokens > settings.max_tokens_per_job:
+        raise ServiceError(f"the job would train on ~{tokens} tokens; the limit is "
+                           f"{settings.max_tokens_per_job}: use fewer epochs or a smaller file",
+                           code="limit_exceeded")
+    if minutes > settings.max_wall_min:
+        raise ServiceError(f"the job needs an estimated {minutes} minutes; the limit is "
+                           f"{settings.max_wall_min}: use fewer epochs or a smaller file",
+                           code="limit_exceeded")
+
+
+def submit_job(*, session: Session, job: FineTuningJob, spec: dict[str, Any], tenant: str,
+               submit: Submit) -> None:
+    """Run sbatch through ``submit`` and record the outcome (QUEUED, or FAILED with Slurm's words)."""
+    from gateway.errors import SlurmError
+
+    try:
+        slurm_id, qos = submit(job, spec, tenant)
+    except SlurmError as e:
+        msg = getattr(e, "message", str(e))
+        hint = getattr(e, "hint", "")
+        apply_event(session, job, Event.ERROR, level="error",
+                    message=f"Submission to Slurm failed: {msg}",
+                    error={"code": "submission_failed", "message": f"{msg}{' (' + hint + ')' if hint else ''}",
+                           "param": None, "reason": FailReason.INTERNAL.value},
+                    finished_at=utcnow())
+        session.commit()
+        return
+    apply_event(session, job, Event.SUBMITTED, message=f"Job queued as Slurm job {slurm_id} (QOS {qos})",
+                slurm_job_id=slurm_id, qos=qos)
+    session.commit()
