@@ -16,34 +16,21 @@ statistics). Every issue carries its line number and class; messages never quote
 the dataset (not even key names or role values): the report is stored and shown
 as metadata.
 Token checks use a ``TokenCounter`` (the base model's own tokenizer and chat
-template); without one they are reported as skipped, not passed. One line's checks
-(error classes, fast decoders, detailed checks) are in ``gateway.datasets.lines``.
+template); without one they are reported as skipped, not passed. One line's grammar (its
+error classes and checks) is the contract's, ``trainer.contract.lines``: the trainer reads every
+line with the same ``LineReader``, so a file this accepts is one the trainer reads.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any, Protocol
 
-from gateway.datasets.lines import (
-    CHAT,
-    PREFERENCE,
-    FastMessage,
-    Kind,
-    LineError,
-    Pair,
-    Warn,
-    check_example,
-    check_pair,
-    encodable,
-    fast_messages,
-    fast_pair,
-    format_of,
-)
+from trainer.contract.lines import CHAT, PREFERENCE, Example, Kind, LineError, LineReader, Preference
 
 DEFAULT_EPOCHS = 3
 SHORT_CHARS = 8          # an example whose messages hold fewer characters is "very short"
@@ -53,6 +40,13 @@ TOKEN_BATCH = 256
 EXACT_FIRST = 1000
 SAMPLE_EVERY = 32
 
+
+class Warn(StrEnum):
+    """Warning classes: reported, but the file stays usable."""
+
+    DUPLICATE = "duplicate_example"
+    VERY_SHORT = "very_short_example"
+    TOKENS_NOT_CHECKED = "tokens_not_checked"
 
 
 @dataclass(frozen=True)
@@ -108,7 +102,7 @@ class _Sides:
     chars: tuple[list[tuple[int, int]], list[tuple[int, int]]] = field(default_factory=lambda: ([], []))
     max_chars: list[int] = field(default_factory=lambda: [0, 0])
 
-    def add_chars(self, pair: Pair, weight: int) -> None:
+    def add_chars(self, pair: Preference, weight: int) -> None:
         """Record both sides' content lengths (sampled with ``weight``; the maxima always)."""
         for i, text in enumerate((pair.chosen, pair.rejected)):
             self.max_chars[i] = max(self.max_chars[i], len(text))
@@ -143,9 +137,9 @@ class Validator:
     examples: int = 0
     lines: int = 0
     exact_checks: int = 0
-    # CHAT or PREFERENCE: set by the first line that is a JSON object holding either's keys
-    format: str | None = field(default=None, init=False)
-    format_line: int | None = field(default=None, init=False)
+    # the file's format (CHAT or PREFERENCE) is the reader's: set by the first line that is a JSON
+    # object holding either's keys
+    reader: LineReader = field(default_factory=LineReader, init=False)
     _seen: dict[bytes, int] = field(default_factory=dict)
     # (line, conversations to count: 1 for chat, 2 for a pair, weight, is a pair)
     _pending: list[tuple[int, list[list[dict[str, Any]]], int, bool]] = field(default_factory=list)
@@ -163,107 +157,46 @@ class Validator:
         if len(self.warnings) < self.max_errors:
             self.warnings.append(Issue(line, kind, message))
 
-    def feed(self, lineno: int, raw: bytes, length: int | None = None) -> None:
+    def feed(self, lineno: int, raw: bytes, length: int | None = None) -> Example | None:
         """Check one line (1-based ``lineno``); ``length`` is its true size when ``raw``
-        was cut short because the line is over ``max_line_bytes``."""
+        was cut short because the line is over ``max_line_bytes``. Returns the line's example,
+        or None when it is blank or refused (its error recorded)."""
         self.lines = lineno
         size = len(raw) if length is None else length
         if size > self.max_line_bytes:
             self._error(lineno, Kind.LINE_TOO_LONG,
                         f"line is {size} bytes; the limit is {self.max_line_bytes}")
-            return
-        raw = raw.rstrip(b"\r\n")
-        if not raw or raw.isspace():
-            return  # blank lines are ignored
-        fast = fast_messages(raw)
-        if fast is None:
-            self._feed_slow(lineno, raw)
-            return
-        if self.format != CHAT and not self._set_format(lineno, CHAT):
-            return
-        if (b"\\ud" in raw or b"\\uD" in raw) and self._lone_surrogate(lineno, None, fast):
-            return
-        # the chat messages are built only if a token count needs them
-        self._accept(lineno, raw, sum(len(m.content) for m in fast), None, fast)
-
-    def _feed_slow(self, lineno: int, raw: bytes) -> None:
-        """A line that is not a well-formed chat example: a preference pair, or a problem."""
-        example = (fast_pair(raw) if self.format == PREFERENCE else None) or self._detailed(lineno, raw)
-        if example is None:
-            return
-        if (b"\\ud" in raw or b"\\uD" in raw) and self._lone_surrogate(lineno, example, None):
-            return
-        if isinstance(example, Pair):
-            self._sides.add_chars(example, _sample_weight(self.examples))
-        self._accept(lineno, raw, _chars(example), example, None)
-
-    def _lone_surrogate(self, lineno: int, example: list[dict[str, Any]] | Pair | None,
-                        fast: list[FastMessage] | None) -> bool:
-        """Whether a string holds a lone UTF-16 surrogate (recorded as an error): JSON may
-        escape one (\\ud800), and no tokenizer can encode it."""
-        if encodable(_strings_of(example, fast)):
-            return False
-        self._error(lineno, Kind.NOT_UTF8, "a string holds a lone surrogate escape (\\ud800-\\udfff): "
-                    "not valid Unicode")
-        return True
-
-    def _set_format(self, lineno: int, fmt: str) -> bool:
-        """Let the line's format decide the file's if it is undecided; False (a recorded
-        mixed_format error) if the file is in the other format."""
-        if self.format is None:
-            self.format, self.format_line = fmt, lineno
-        elif fmt != self.format:
-            self._error(lineno, Kind.MIXED_FORMAT, f"a {fmt} example in a {self.format} file (the format "
-                        f"was set by line {self.format_line}); a file holds one format only")
-            return False
-        return True
-
-    def _detailed(self, lineno: int, raw: bytes) -> list[dict[str, Any]] | Pair | None:
-        """The slow path: find and record the line's first problem (None), or its example."""
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            self._error(lineno, Kind.NOT_UTF8, f"invalid UTF-8 at byte {e.start + 1} of the line")
             return None
         try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            self._error(lineno, Kind.NOT_JSON, f"not valid JSON: {e.msg} at column {e.colno}")
-            return None
-        except RecursionError:
-            self._error(lineno, Kind.NOT_JSON, "not valid JSON: nested too deeply")
-            return None
-        fmt = format_of(obj)
-        if fmt is not None and not self._set_format(lineno, fmt):
-            return None
-        try:
-            return check_pair(obj) if self.format == PREFERENCE else check_example(obj)
+            example = self.reader.read(lineno, raw)
         except LineError as e:
             self._error(lineno, e.kind, e.message)
             return None
+        if example is None:
+            return None  # blank lines are ignored
+        if isinstance(example, Preference):
+            self._sides.add_chars(example, _sample_weight(self.examples))
+        self._accept(lineno, raw.rstrip(b"\r\n"), example)
+        return example
 
-    def _accept(self, lineno: int, raw: bytes, chars: int, example: list[dict[str, Any]] | Pair | None,
-                fast: list[FastMessage] | None) -> None:
+    def _accept(self, lineno: int, raw: bytes, example: Example) -> None:
         index = self.examples
         self.examples += 1
         digest = hashlib.blake2b(raw, digest_size=16).digest()
         first = self._seen.setdefault(digest, lineno)
         if first != lineno:
             self._warn(lineno, Warn.DUPLICATE, f"exact duplicate of line {first}")
-        if chars < SHORT_CHARS:
-            what = "pair (prompt + shorter side under" if isinstance(example, Pair) else "example (under"
+        if example.chars < SHORT_CHARS:
+            what = "pair (prompt + shorter side under" if isinstance(example, Preference) else "example (under"
             self._warn(lineno, Warn.VERY_SHORT, f"very short {what} {SHORT_CHARS} characters of content)")
         if self.counter is None:
             return
-        if isinstance(example, Pair):
-            convs = example.conversations()
-        else:
-            convs = [example or [{"role": m.role, "content": m.content} for m in fast or ()]]
+        convs: list[list[dict[str, Any]]] = example.conversations()
         weight = _sample_weight(index)
         bound = self._bound(convs) if weight == 0 else None
         if weight or bound is None or bound > self.max_seq_len:
             # counted exactly: sampled for statistics, or possibly over the length limit
-            self._pending.append((lineno, convs, weight, isinstance(example, Pair)))
+            self._pending.append((lineno, convs, weight, isinstance(example, Preference)))
             if len(self._pending) >= TOKEN_BATCH:
                 self._count_tokens()
 
@@ -328,11 +261,11 @@ class Validator:
         tokens = self._token_stats()
         stats: dict[str, Any] = {
             "lines": self.lines, "bytes": total_bytes, "examples": self.examples,
-            "format": self.format or CHAT,
+            "format": self.reader.format or CHAT,
             "tokenizer": self.counter.name if self.counter else None,
             "tokens": tokens,
             "preference": (self._sides.report(self.examples, self.counter is not None)
-                           if self.format == PREFERENCE else None),
+                           if self.reader.format == PREFERENCE else None),
             "estimated_training_tokens": tokens["total"] * DEFAULT_EPOCHS if tokens else None,
             "estimated_epochs": DEFAULT_EPOCHS,
         }
@@ -345,22 +278,6 @@ class Validator:
             "max_seq_len": self.max_seq_len,
             "stats": stats,
         }
-
-
-def _strings_of(example: list[dict[str, Any]] | Pair | None,
-                fast: list[FastMessage] | None) -> list[dict[str, Any]]:
-    """The messages of an example, as dicts that hold every string to check for lone surrogates."""
-    if isinstance(example, Pair):
-        return [*example.prompt, {"content": example.chosen}, {"content": example.rejected}]
-    return example or [{"role": m.role, "content": m.content} for m in fast or ()]
-
-
-def _chars(example: list[dict[str, Any]] | Pair) -> int:
-    """Content characters of an example; of a pair, the prompt's and its shorter side's."""
-    if isinstance(example, Pair):
-        return sum(len(m["content"]) for m in example.prompt) + min(len(example.chosen),
-                                                                    len(example.rejected))
-    return sum(len(m["content"]) for m in example)
 
 
 class LineSplitter:
