@@ -1,14 +1,21 @@
-"""Start the storage broker daemon when a root process needs one and none answers."""
+"""Start the storage broker daemon when a root process needs one and none answers, and stop the one
+that was started (its pid recorded beside its socket), never another instance's or another user's."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import pwd
+import select
+import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from gateway.config import Settings
 
 LOG = Path("/var/log/slurm-finetune/broker.log")
 
@@ -105,15 +112,131 @@ def ensure_broker(socket_path: Path, service_user: str | None, wait_s: float = 1
         except KeyError:
             pass
     LOG.parent.mkdir(parents=True, exist_ok=True)
+    socket_path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)   # the runtime dir, for the pidfile
     # a clean environment: nothing of the caller's (database URL, tokens) reaches the broker
     env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
            **{k: v for k, v in os.environ.items() if k in ("SLURM_CONF", "PYTHONPATH")}}
     with open(LOG, "ab") as log:
-        subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,  # noqa: S603
-                         cwd="/", start_new_session=True, close_fds=True)
+        broker = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,  # noqa: S603
+                                  cwd="/", start_new_session=True, close_fds=True)
+    record_pid(socket_path, broker.pid)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if answers(socket_path):
             return
         time.sleep(0.05)
     raise RuntimeError(f"the storage broker did not start; see {LOG}")
+
+
+# ------------------------------------------------------------------ stopping the one that was started
+BROKER_MARK = b"gateway.storage.broker"   # in the daemon's command line (argv above)
+
+
+def pidfile(socket_path: Path) -> Path:
+    """Where the pid of the broker started for ``socket_path`` is recorded: beside the socket, in its
+    runtime directory (root's, 0755, under /run), so a stop finds that broker and no other."""
+    return socket_path.with_suffix(".pid")
+
+
+def _private_dir(path: Path) -> bool:
+    """Whether only this user can write ``path`` (a directory of its own, not group- or world-writable):
+    a pidfile anyone else could have written names a pid nobody vouches for."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def record_pid(socket_path: Path, pid: int) -> None:
+    """Write ``pid`` to the socket's pidfile atomically (temp name, fsync, rename); nothing when the
+    directory is not this user's alone (then nothing is recorded, and a stop stops nothing)."""
+    path = pidfile(socket_path)
+    if not _private_dir(path.parent):
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    try:
+        os.write(fd, f"{pid}\n".encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _recorded_pid(path: Path) -> int | None:
+    """The pid in the pidfile ``path``, when this user wrote it in a directory only this user can write."""
+    if not _private_dir(path.parent):
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        text = os.read(fd, 64).decode("ascii", "replace") if st.st_uid == os.geteuid() else ""
+    finally:
+        os.close(fd)
+    pid = int(text.strip()) if text.strip().isdigit() else 0
+    return pid if pid > 1 else None
+
+
+def is_broker(pid: int, socket_path: Path) -> bool:
+    """Whether process ``pid`` is this user's storage broker serving ``socket_path``: its owner is this
+    user and its command line holds ``gateway.storage.broker`` and ``--socket <socket_path>`` (another
+    instance's broker names another socket; a process that merely mentions the name is not one)."""
+    try:
+        owner = os.stat(f"/proc/{pid}").st_uid
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    sock = os.fsencode(socket_path)
+    serves = any(a == b"--socket" and b == sock for a, b in zip(argv, argv[1:], strict=False))
+    return owner == os.geteuid() and any(BROKER_MARK in a for a in argv) and serves
+
+
+def stop_recorded(socket_path: Path, wait_s: float = 10.0) -> int | None:
+    """Stop the broker recorded for ``socket_path``: SIGTERM (its in-flight request children finish), and
+    SIGKILL when it has not exited within ``wait_s``; its pid, or None when no recorded broker runs. The process is
+    held by a pidfd before it is checked (``is_broker``), so a pid reused meanwhile is never signalled;
+    a pidfile naming anything else is removed and nothing is signalled."""
+    path = pidfile(socket_path)
+    pid = _recorded_pid(path)
+    if pid is None:
+        return None
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        path.unlink(missing_ok=True)
+        return None
+    try:
+        if not is_broker(pid, socket_path):
+            path.unlink(missing_ok=True)
+            return None
+        for sig, wait in ((signal.SIGTERM, wait_s), (signal.SIGKILL, 5.0)):
+            try:
+                signal.pidfd_send_signal(pidfd, sig)
+            except ProcessLookupError:
+                break
+            if select.select([pidfd], [], [], wait)[0]:   # a pidfd reads ready once its process has exited
+                break
+        path.unlink(missing_ok=True)
+        return pid
+    finally:
+        os.close(pidfd)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m gateway.storage.launch --stop [--socket PATH]``: stop the broker recorded for the
+    socket (default: the settings' ``broker_socket``); scripts/test.sh runs it before the tests."""
+    p = argparse.ArgumentParser(prog="python -m gateway.storage.launch", description=main.__doc__)
+    p.add_argument("--stop", action="store_true", required=True, help="stop the recorded broker")
+    p.add_argument("--socket", type=Path, default=None)
+    a = p.parse_args(argv)
+    sock = a.socket or Settings().broker_socket
+    pid = stop_recorded(sock)
+    print(f"storage broker at {sock}: " + (f"stopped pid {pid}" if pid else "none recorded running"))
+
+
+if __name__ == "__main__":
+    main()
