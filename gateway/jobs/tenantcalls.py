@@ -10,6 +10,7 @@ most one bounded wait now and then, and never a pile of threads or broker childr
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -17,6 +18,9 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from gateway.errors import ServiceError
+
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 WORKERS = 8
 PAUSE_MIN_S = 1.0        # the pause after a tenant's first failed or late call; it doubles per repeat
@@ -130,3 +134,22 @@ class TenantCalls:
         with self._lock:
             length = min(PAUSE_MAX_S, max(PAUSE_MIN_S, 2 * self._pause.get(tenant, (0.0, 0.0))[1]))
             self._pause[tenant] = (self.clock() + length, length)
+
+
+def report(rnd: Round[T], verb: str, wait_s: float, missed: dict[tuple[str, str], int]) -> dict[str, T]:
+    """Log a round of ``verb`` calls (once per run of failures: repeats while pausing at debug level),
+    count in ``missed`` (by verb and outcome: ``LoopStats.storage_missed``) the tenants that failed,
+    were late or were skipped; the answers by tenant."""
+    for name, e in rnd.failed.items():
+        level = logging.DEBUG if name in rnd.repeated else logging.WARNING
+        if isinstance(e, ServiceError):
+            log.log(level, "tenant %s: %s failed: %s (it pauses; the others go on)", name, verb, e.message)
+        else:      # a bug in one tenant's call must not fail every tenant's cycle
+            log.error("tenant %s: %s failed", name, verb, exc_info=e)
+    for name in rnd.late:
+        log.log(logging.DEBUG if name in rnd.repeated else logging.WARNING, "tenant %s: storage %s did not "
+                "answer within %.1fs: left for a later cycle (the others go on)", name, verb, wait_s)
+    for outcome, n in (("error", len(rnd.failed)), ("late", len(rnd.late)), ("skipped", len(rnd.skipped))):
+        if n:
+            missed[verb, outcome] = missed.get((verb, outcome), 0) + n
+    return rnd.results

@@ -15,8 +15,9 @@ from sqlmodel import Session, select
 from gateway.config import Settings
 from gateway.db import make_engine, migrate
 from gateway.errors import StorageUnavailable
-from gateway.jobs.reconciler import Reconciler, fine_tuned_model_name
+from gateway.jobs.reconciler import Reconciler
 from gateway.models import DataFile, FineTuningJob, JobCheckpoint, JobEvent, Tenant, utcnow
+from gateway.services.publication import fine_tuned_model_name
 from gateway.slurm import JobScript, SlurmClient, SlurmCommandError
 from gateway.state import JobState
 from gateway.storage.layout import RESULT_NAMES, tenant_root
