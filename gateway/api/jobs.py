@@ -8,12 +8,14 @@ from fastapi import APIRouter, Header, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway.access.policy import Policy
+from gateway.api import openai
 from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep, access
 from gateway.api.fastjson import FastJSON
 from gateway.errors import ServiceError
 from gateway.models import DataFile, FineTuningJob, JobCheckpoint, JobEvent
-from gateway.services import jobcontrol, jobcreate, jobmodels, jobreads, jobspec
+from gateway.services import jobcontrol, jobcreate, jobmodels, jobreads
 from gateway.state import JobState
+from trainer.contract.spec import HYPERPARAMETER_DEFAULTS
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"], dependencies=[access(Policy.TENANT)])
 JOB_ID = r"^[A-Za-z0-9_-]{1,64}$"
@@ -82,11 +84,8 @@ def job_object(job: FineTuningJob | Any, tenant: str) -> dict[str, Any]:
     hp = dict(job.hyperparameters or {})
     method = job.method or "supervised"
     if method == "dpo":
-        hp.setdefault("beta", jobspec.DEFAULT_BETA)
-    epochs = hp.get("epochs", jobspec.DEFAULT_EPOCHS)
-    lr = hp.get("learning_rate")
-    openai_hp = {"n_epochs": epochs, "batch_size": "auto",
-                 "learning_rate_multiplier": (lr / jobspec.BASE_LEARNING_RATE) if lr else "auto"}
+        hp.setdefault("beta", HYPERPARAMETER_DEFAULTS["beta"])
+    openai_hp = openai.to_openai(hp)
     error = None
     if job.error:
         error = {"code": job.error.get("code"), "message": job.error.get("message"),
@@ -133,6 +132,7 @@ def _request(body: CreateJob, idempotency_key: str | None) -> jobcreate.JobReque
     settings = body.method and (body.method.supervised or body.method.dpo)
     if settings:
         hp.update(settings.hyperparameters)
+    hp = openai.to_ours(hp)     # services take our names
     return jobcreate.JobRequest(training_file=body.training_file, model=body.model,
                           validation_file=body.validation_file,
                           hyperparameters=hp, suffix=body.suffix, seed=body.seed, metadata=body.metadata,

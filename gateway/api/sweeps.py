@@ -8,6 +8,7 @@ from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.access.policy import Policy
+from gateway.api import openai
 from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep, access
 from gateway.api.jobs import JOB_ID
 from gateway.errors import ServiceError
@@ -23,9 +24,9 @@ class CreateSweep(BaseModel):
     model: Annotated[str, Field(min_length=1, max_length=255)]
     training_file: Annotated[str, Field(pattern=JOB_ID)]
     validation_file: Annotated[str, Field(pattern=JOB_ID)]
-    grid: Annotated[dict[Literal[svc.GRID_KEYS],     # type: ignore[valid-type]
+    grid: Annotated[dict[Literal[svc.GRID_KEYS + tuple(openai.OURS)],     # type: ignore[valid-type]
                          Annotated[list[Value], Field(min_length=1, max_length=svc.MAX_VALUES)]],
-                    Field(min_length=1, max_length=len(svc.GRID_KEYS))]
+                    Field(min_length=1, max_length=len(svc.GRID_KEYS) + len(openai.OURS))]
     hyperparameters: dict[str, Any] | None = None        # shared by every run
     suffix: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] | None = None
     seed: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
@@ -39,7 +40,8 @@ def create_sweep(body: CreateSweep, request: Request, session: SessionDep, setti
     if submitter is None:
         raise ServiceError("this gateway has no Slurm connection: jobs cannot run", code="no_backend")
     req = svc.SweepRequest(training_file=body.training_file, validation_file=body.validation_file,
-                           model=body.model, grid=dict(body.grid), hyperparameters=dict(body.hyperparameters or {}),
+                           model=body.model, grid=openai.grid_to_ours(body.grid),
+                           hyperparameters=openai.to_ours(body.hyperparameters or {}),
                            suffix=body.suffix, seed=body.seed)
     sweep = svc.create_sweep(session=session, settings=settings, principal=principal, req=req, submit=submitter)
     return svc.sweep_view(session, sweep)

@@ -19,6 +19,8 @@ from gateway.models import DataFile, FileStatus, FineTuningJob
 from gateway.portal.datasets import DATASETS, catalog_names
 from gateway.portal.jobviews import (
     ACTIVE_STATES,
+    FORM_LIMITS,
+    INT_FIELDS,
     JobForm,
     badge,
     job_events,
@@ -31,11 +33,12 @@ from gateway.portal.web import PortalRoute, UserDep, env, portal_access, render
 from gateway.services import files as files_svc
 from gateway.services import jobcontrol, jobcreate, jobreads
 from gateway.state import Cleanup, JobState
+from trainer.contract.spec import HYPERPARAMETER_DEFAULTS
 
 router = APIRouter(prefix="/portal/jobs", route_class=PortalRoute, include_in_schema=False,
                    dependencies=[portal_access(Policy.TENANT)])
 JOB_ID = r"^[A-Za-z0-9_-]{1,64}$"
-env.globals.update(badge=badge)
+env.globals.update(badge=badge, form_limits=FORM_LIMITS, hp_defaults=HYPERPARAMETER_DEFAULTS)  # ranges: the contract's
 
 
 @router.get("")
@@ -58,6 +61,7 @@ def _form_page(request: Request, session: Session, settings: Settings, user: Por
     files = _usable_files(session, user)
     return render(request, "job_new.html", user=user, form=form, errors=errors or {}, files=files,
                   models=catalog_names(settings), status=status,
+                  checkpoint_every_steps=settings.checkpoint_every_steps,
                   estimate=_estimate(request, session, settings, user, form.training_file, form.epochs_value(),
                                      form.model),
                   no_backend=request.app.state.submitter is None)
@@ -104,7 +108,7 @@ def _estimate(request: Request, session: Session, settings: Settings, user: Port
         try:
             dry = jobcreate.estimate_job(session=session, settings=settings, principal=user.principal, submit=submitter,
                                    req=jobcreate.JobRequest(training_file=file_id, model=model,
-                                                      hyperparameters={"n_epochs": epochs},
+                                                      hyperparameters={"epochs": epochs},
                                                       method=jobcreate.method_for(train)))
             start, reason = dry.get("expected_start"), dry.get("start_detail")
         except (ServiceError, KeyError):
@@ -117,7 +121,9 @@ def _estimate(request: Request, session: Session, settings: Settings, user: Port
 
 @router.get("/estimate")
 def estimate(request: Request, session: SessionDep, settings: SettingsDep, user: UserDep,
-             training_file: str = Query("", max_length=64), epochs: int = Query(3, ge=1, le=100),
+             training_file: str = Query("", max_length=64),
+             epochs: int = Query(HYPERPARAMETER_DEFAULTS["epochs"], ge=INT_FIELDS["epochs"][0],
+                                 le=INT_FIELDS["epochs"][1]),
              model: str = Query("", max_length=255)) -> Response:
     """JSON for the form's script: tokens, minutes, QOS tier and expected start; null for an unknown file."""
     est = _estimate(request, session, settings, user, training_file, epochs, model)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 from gateway.models import FineTuningJob, JobEvent
 from gateway.services.jobcreate import METHODS, JobRequest
-from gateway.services.jobspec import BASE_LEARNING_RATE, DEFAULT_EPOCHS
 from gateway.state import ACTIVE, JobState
+from trainer.contract.spec import HYPERPARAMETER_BOUNDS, HYPERPARAMETER_DEFAULTS, JOB_BOUNDS, Bounds
 
 ACTIVE_STATES = frozenset(s.value for s in ACTIVE)
 BADGES: dict[str, str] = {JobState.VALIDATING_FILES: "wait", JobState.QUEUED: "wait",
@@ -31,9 +32,9 @@ class JobForm:
     beta: str = ""
     training_file: str = ""
     validation_file: str = ""
-    epochs: str = str(DEFAULT_EPOCHS)
-    learning_rate: str = f"{BASE_LEARNING_RATE:g}"
-    lora_r: str = "16"
+    epochs: str = str(HYPERPARAMETER_DEFAULTS["epochs"])
+    learning_rate: str = f"{HYPERPARAMETER_DEFAULTS['learning_rate']:g}"
+    lora_r: str = str(HYPERPARAMETER_DEFAULTS["lora_r"])
     suffix: str = ""
     batch_size_tokens: str = ""
     max_seq_len: str = ""
@@ -42,13 +43,19 @@ class JobForm:
     FIELDS: ClassVar[frozenset[str]] = frozenset()
 
     def epochs_value(self) -> int | None:
-        """``epochs`` as an int in 1..100; None when it is not one."""
-        return _int(self.epochs, 1, 100)
+        """``epochs`` as an int in the contract's range; None when it is not one."""
+        return _int(self.epochs, *INT_FIELDS["epochs"])
 
 
 JobForm.FIELDS = frozenset(f.name for f in fields(JobForm))
-INT_FIELDS = {"epochs": (1, 100), "lora_r": (1, 1024), "batch_size_tokens": (16, 1_048_576),
-              "max_seq_len": (8, 131_072), "checkpoint_every_steps": (1, 1_000_000)}
+_BOUNDS: dict[str, Bounds] = {**{k: HYPERPARAMETER_BOUNDS[k] for k in ("epochs", "lora_r", "batch_size_tokens",
+                                                                      "max_seq_len", "learning_rate", "beta")},
+                              "checkpoint_every_steps": JOB_BOUNDS["checkpoint_every_steps"]}
+INT_FIELDS = {k: (int(_BOUNDS[k].low or 0), int(_BOUNDS[k].high or 0))
+              for k in ("epochs", "lora_r", "batch_size_tokens", "max_seq_len", "checkpoint_every_steps")}
+"""The form's whole-number fields and their ranges (the contract's: closed at both ends)."""
+FORM_LIMITS = {**INT_FIELDS, **{k: (_BOUNDS[k].low, _BOUNDS[k].high) for k in ("learning_rate", "beta")}}
+"""Every bounded field's (low, high), for the template's min/max and placeholders."""
 OPTIONAL = ("batch_size_tokens", "max_seq_len", "checkpoint_every_steps")
 
 
@@ -60,12 +67,20 @@ def _int(raw: str, lo: int, hi: int) -> int | None:
     return value if lo <= value <= hi else None
 
 
-def _float(raw: str, high: float = 1.0) -> float | None:
+def _float(raw: str, name: str) -> float | None:
+    """``raw`` as a float in the contract's range of ``name``; None when it is not one."""
     try:
         value = float(raw.strip())
     except ValueError:
         return None
-    return value if 0 < value <= high else None
+    return value if math.isfinite(value) and _BOUNDS[name].contains(value) else None
+
+
+def _float_error(name: str) -> str:
+    """What to enter for the float field ``name`` (its range and default, from the contract)."""
+    b = _BOUNDS[name]
+    return (f"Enter a number {'above' if b.low_open else 'from'} {b.low:g} and at most {b.high:g}, "
+            f"e.g. {HYPERPARAMETER_DEFAULTS[name]:g}.")
 
 
 def parse_job_form(raw: dict[str, str]) -> tuple[JobForm, JobRequest | None, dict[str, str]]:
@@ -82,9 +97,9 @@ def parse_job_form(raw: dict[str, str]) -> tuple[JobForm, JobRequest | None, dic
             errors[name] = f"Enter a whole number from {lo:,} to {hi:,}."
         else:
             hp[name] = value
-    lr = _float(form.learning_rate)
+    lr = _float(form.learning_rate, "learning_rate")
     if lr is None:
-        errors["learning_rate"] = "Enter a number above 0 and at most 1, e.g. 0.0002."
+        errors["learning_rate"] = _float_error("learning_rate")
     else:
         hp["learning_rate"] = lr
     if form.method not in METHODS:
@@ -92,9 +107,9 @@ def parse_job_form(raw: dict[str, str]) -> tuple[JobForm, JobRequest | None, dic
     if form.beta and form.method != "dpo":
         errors["beta"] = "Beta applies to DPO only: choose the DPO method, or leave it empty."
     elif form.beta:
-        beta = _float(form.beta, 100.0)
+        beta = _float(form.beta, "beta")
         if beta is None:
-            errors["beta"] = "Enter a number above 0 and at most 100, e.g. 0.1."
+            errors["beta"] = _float_error("beta")
         else:
             hp["beta"] = beta
     if not form.model:

@@ -26,7 +26,7 @@ from gateway.services.files import get_file
 from gateway.services.jobmemory import _model_shape, memory_check, widen_for_ranks
 from gateway.services.jobmodels import CHECKPOINT_MODEL, checkpoint_files, checkpoint_model_name, find_checkpoint_model
 from gateway.services.jobreads import get_job, tenant_id_of
-from gateway.services.jobspec import _epochs, build_hyperparameters, job_spec
+from gateway.services.jobspec import _epochs, job_spec
 from gateway.services.jobwrites import add_event, apply_event
 from gateway.state import ACTIVE, Event, FailReason, JobState
 
@@ -55,7 +55,7 @@ class JobRequest:
     training_file: str
     model: str
     validation_file: str | None = None
-    hyperparameters: dict[str, Any] = field(default_factory=dict)
+    hyperparameters: dict[str, Any] = field(default_factory=dict)   # ours (gateway.api.openai translates OpenAI's)
     suffix: str | None = None
     seed: int | None = None
     metadata: dict[str, str] | None = None
@@ -204,7 +204,7 @@ def create_job(*, session: Session, settings: Settings, principal: Principal, re
 
 def _widened(req: JobRequest, job: FineTuningJob) -> str | None:
     """The note of :func:`widen_for_ranks` when it widened ``job``'s steps (for its event log)."""
-    hp = build_hyperparameters(req.hyperparameters)
+    hp = dict(req.hyperparameters)
     return widen_for_ranks(hp, req.method, req.gpus) if "batch_size_tokens" not in hp and \
         "batch_size_tokens" in (job.hyperparameters or {}) else None
 
@@ -227,7 +227,7 @@ def prepare_job(*, session: Session, settings: Settings, principal: Principal, r
     for row, param in ((train, "training_file"), (val, "validation_file")):
         if row is not None:
             _fits_method(row, req.method, param)
-    hp = build_hyperparameters(req.hyperparameters)
+    hp = dict(req.hyperparameters)    # our names (gateway.api.openai translated OpenAI's)
     model = _checkpoint_model(session, principal, req) if req.from_checkpoint else req.model
     parent, init = _parent(session, principal, model, hp) if model.startswith("ft:") else (None, None)
     base = parent.model if parent is not None else model

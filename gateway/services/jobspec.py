@@ -1,5 +1,6 @@
-"""A job's hyperparameters and the trainer's spec: OpenAI's names to ours, the
-defaults the API shows, the spec written to the job dir and the check of one read back.
+"""A job's hyperparameters and the trainer's spec: the epochs the estimate needs, the spec
+written to the job dir and the check of one read back. Hyperparameters arrive with our names
+(``gateway.api.openai`` translates OpenAI's); their defaults and ranges are the contract's.
 
 Creation and recovery build the spec the same way (``job_spec``), so a resubmitted
 job trains exactly as its first attempt did.
@@ -15,44 +16,25 @@ from gateway.config import Settings
 from gateway.errors import ServiceError
 from gateway.models import DataFile, FineTuningJob
 from gateway.storage import layout
+from trainer.contract.spec import HYPERPARAMETER_BOUNDS, HYPERPARAMETER_DEFAULTS
 
 if TYPE_CHECKING:
     from trainer.catalog import CatalogEntry
 
 
-# OpenAI's hyperparameter names → ours; ours are accepted as they are.
-OPENAI_HP = {"n_epochs": "epochs", "learning_rate_multiplier": "learning_rate_multiplier",
-             "batch_size": "batch_size"}
-BASE_LEARNING_RATE = 2e-4
-DEFAULT_EPOCHS = 3
-DEFAULT_BETA = 0.1     # DPO's (trainer.spec.Hyperparameters.beta; TRL's and OpenAI's default)
-MAX_EPOCHS = 100   # trainer.spec.Hyperparameters.epochs
-
-
-def _epochs(hp: dict[str, Any]) -> int:
-    """The number of epochs the estimate needs; ServiceError (400) naming the field when it
-    is not a whole number in the trainer's range (the full spec is checked later)."""
-    value = hp.get("epochs", DEFAULT_EPOCHS)
+def whole_epochs(value: Any, param: str = "hyperparameters.epochs") -> int:
+    """``value`` as a whole number of epochs in the contract's range; ServiceError (400) naming
+    ``param`` otherwise (the estimate needs it before the full spec is checked)."""
+    bounds = HYPERPARAMETER_BOUNDS["epochs"]
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
-            or value != int(value) or not 1 <= value <= MAX_EPOCHS:
-        raise ServiceError(f"hyperparameters.n_epochs must be a whole number from 1 to {MAX_EPOCHS}",
-                           param="hyperparameters.n_epochs")
+            or value != int(value) or not bounds.contains(value):
+        raise ServiceError(f"{param} must be a whole number from {bounds.low} to {bounds.high}", param=param)
     return int(value)
 
 
-def build_hyperparameters(raw: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI-style (n_epochs, learning_rate_multiplier, batch_size) or native names → ours."""
-    hp = {k: v for k, v in raw.items() if v != "auto"}
-    if "n_epochs" in hp:
-        hp["epochs"] = hp.pop("n_epochs")
-    if "learning_rate_multiplier" in hp:
-        mult = hp.pop("learning_rate_multiplier")
-        if not isinstance(mult, int | float) or isinstance(mult, bool) or mult <= 0:
-            raise ServiceError("learning_rate_multiplier must be a positive number",
-                               param="hyperparameters.learning_rate_multiplier")
-        hp["learning_rate"] = BASE_LEARNING_RATE * mult
-    hp.pop("batch_size", None)  # examples per batch: we pack by tokens (batch_size_tokens)
-    return hp
+def _epochs(hp: dict[str, Any]) -> int:
+    """The number of epochs of our hyperparameters ``hp`` (the contract's default when not given)."""
+    return whole_epochs(hp.get("epochs", HYPERPARAMETER_DEFAULTS["epochs"]))
 
 
 def job_dir(settings: Settings, tenant: str, job_id: str) -> str:

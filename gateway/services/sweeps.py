@@ -22,16 +22,19 @@ from sqlmodel import Session, col, select
 
 from gateway.access.tokens import Principal
 from gateway.config import Settings
-from gateway.errors import NotFound, ServiceError
+from gateway.errors import NotFound, ServiceError, SlurmError
 from gateway.models import FineTuningJob, Sweep, new_id, utcnow
-from gateway.services import jobcontrol, jobcreate, jobreads, jobspec, jobwrites
+from gateway.services import jobcontrol, jobcreate, jobreads, jobwrites
 from gateway.state import ACTIVE, Event, FailReason, JobState, SweepState
 
 log = logging.getLogger(__name__)
 
-GRID_KEYS = ("learning_rate_multiplier", "learning_rate", "n_epochs", "epochs", "lora_r", "lora_alpha",
-             "lora_dropout", "batch_size_tokens", "warmup_ratio", "weight_decay")
-"""What a grid may vary: the training knobs (not the data, base or resources, which a sweep shares)."""
+GRID_KEYS = ("learning_rate", "epochs", "lora_r", "lora_alpha", "lora_dropout", "batch_size_tokens", "warmup_ratio",
+             "weight_decay")
+"""What a grid may vary: the training knobs (not the data, base or resources, which a sweep shares), by our
+names (the API also takes OpenAI's for them: ``gateway.api.openai``)."""
+OLD_GRID_KEYS = ("learning_rate_multiplier", "n_epochs")
+"""OpenAI's names, which sweeps recorded before the API translated them: shown as recorded, never created."""
 MAX_VALUES = 8        # per hyperparameter
 
 
@@ -62,15 +65,15 @@ class ArraySubmit(Protocol):
         ...
 
 
-def expand(grid: dict[str, list[Any]], max_runs: int) -> list[dict[str, Any]]:
+def expand(grid: dict[str, list[Any]], max_runs: int, allowed: tuple[str, ...] = GRID_KEYS) -> list[dict[str, Any]]:
     """The grid's points (one hyperparameter dict each), the last key varying fastest. ServiceError
     (400, naming the field) for a key a grid may not vary, an empty, repeated or non-scalar value
-    list, or more than ``max_runs`` points."""
+    list, or more than ``max_runs`` points. ``allowed``: the names a grid may vary."""
     if not isinstance(grid, dict) or not grid:
         raise ServiceError("grid must name at least one hyperparameter and its values", param="grid")
     for key, values in grid.items():
-        if key not in GRID_KEYS:
-            raise ServiceError(f"grid.{key}: a sweep varies only {', '.join(GRID_KEYS)}", param=f"grid.{key}")
+        if key not in allowed:
+            raise ServiceError(f"grid.{key}: a sweep varies only {', '.join(allowed)}", param=f"grid.{key}")
         if not isinstance(values, list) or not 1 <= len(values) <= MAX_VALUES:
             raise ServiceError(f"grid.{key} must be a list of 1 to {MAX_VALUES} values", param=f"grid.{key}")
         if not all(isinstance(v, int | float | str) and not isinstance(v, bool) for v in values) \
@@ -97,9 +100,9 @@ def create_sweep(*, session: Session, settings: Settings, principal: Principal, 
                            param="validation_file")
     for param, file_id in (("training_file", req.training_file), ("validation_file", req.validation_file)):
         jobcreate.usable_file(session, principal, file_id, param)      # 404 for a file that is not the tenant's
-    shared = jobspec.build_hyperparameters(req.hyperparameters)
+    shared = req.hyperparameters             # our names, as the grid's (gateway.api.openai translated OpenAI's)
     points = expand(req.grid, settings.max_sweep_runs)
-    overlap = sorted(set(jobspec.build_hyperparameters(points[0])) & set(shared))
+    overlap = sorted(set(points[0]) & set(shared))
     if overlap:
         raise ServiceError(f"hyperparameters.{overlap[0]} is also in the grid: give it in one place",
                            param=f"hyperparameters.{overlap[0]}")
@@ -130,8 +133,6 @@ def create_sweep(*, session: Session, settings: Settings, principal: Principal, 
 
 def _submit_array(session: Session, sweep: Sweep, runs: list[tuple[FineTuningJob, dict[str, Any]]],
                   tenant: str, submit: ArraySubmit) -> None:
-    from gateway.errors import SlurmError
-
     jobs, specs = [job for job, _ in runs], [spec for _, spec in runs]
     try:
         array_id, ids, qos = submit.array(jobs, specs, tenant, sweep.id)
@@ -191,7 +192,7 @@ def _valid_loss(job: FineTuningJob) -> float | None:
 def sweep_view(session: Session, sweep: Sweep) -> dict[str, Any]:
     """The comparison: every run's point, status, validation loss and eval curve, and the best run
     (the lowest validation loss among the succeeded ones; None until one has succeeded)."""
-    points = expand(sweep.grid, max(len(sweep.job_ids), 1))
+    points = expand(sweep.grid, max(len(sweep.job_ids), 1), GRID_KEYS + OLD_GRID_KEYS)
     runs: list[dict[str, Any]] = []
     for task, job in enumerate(sweep_jobs(session, sweep)):
         curve = [[e["step"], e["loss"]] for e in (job.progress or {}).get("evals") or []

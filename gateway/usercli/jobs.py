@@ -13,8 +13,24 @@ import click
 from gateway.state import TERMINAL as TERMINAL_STATES
 from gateway.state import JobState
 from gateway.usercli.client import Unreachable, _echo_json, _when, call
+from trainer.contract.spec import HYPERPARAMETER_BOUNDS, HYPERPARAMETER_DEFAULTS, JOB_BOUNDS, Bounds
 
 TERMINAL = tuple(s.value for s in JobState if s in TERMINAL_STATES)
+
+
+def _range(bounds: Bounds, whole: bool) -> click.ParamType:
+    """A click range from the contract's bounds of a field (the CLI spells none of its own)."""
+    if whole:
+        return click.IntRange(None if bounds.low is None else int(bounds.low),
+                              None if bounds.high is None else int(bounds.high),
+                              min_open=bounds.low_open, max_open=bounds.high_open)
+    return click.FloatRange(bounds.low, bounds.high, min_open=bounds.low_open, max_open=bounds.high_open)
+
+
+def _hp_range(name: str) -> click.ParamType:
+    """The click range of hyperparameter ``name`` (whole numbers when its default is one)."""
+    default = HYPERPARAMETER_DEFAULTS[name]
+    return _range(HYPERPARAMETER_BOUNDS[name], isinstance(default, int) and not isinstance(default, bool))
 
 
 def _parse_hp(pairs: tuple[str, ...]) -> dict[str, Any]:
@@ -44,16 +60,18 @@ _JOB_OPTIONS = [
     click.option("--method", type=click.Choice(["supervised", "dpo"]), default="supervised", show_default=True,
                  help="supervised: chat data (SFT); dpo: preference pairs (input, preferred_output, "
                       "non_preferred_output)."),
-    click.option("--beta", type=click.FloatRange(min=0, max=100, min_open=True),
-                 help="DPO only: how strongly the policy is held to the reference (default 0.1)."),
-    click.option("--epochs", type=click.IntRange(1, 100)),
+    click.option("--beta", type=_hp_range("beta"),
+                 help="DPO only: how strongly the policy is held to the reference "
+                      f"(default {HYPERPARAMETER_DEFAULTS['beta']})."),
+    click.option("--epochs", type=_hp_range("epochs")),
     click.option("--learning-rate-multiplier", type=click.FloatRange(min=0, min_open=True)),
-    click.option("--lora-r", type=click.IntRange(1, 1024)),
-    click.option("--batch-size-tokens", type=click.IntRange(16)),
-    click.option("--max-seq-len", type=click.IntRange(8)),
+    click.option("--lora-r", type=_hp_range("lora_r")),
+    click.option("--batch-size-tokens", type=_hp_range("batch_size_tokens")),
+    click.option("--max-seq-len", type=_hp_range("max_seq_len")),
     click.option("--suffix", help="Up to 64 characters of [A-Za-z0-9_.-] in the fine-tuned model's name."),
     click.option("--seed", type=click.IntRange(0, 2**31 - 1)),
-    click.option("--gpus", type=click.IntRange(1, 1024), help="GPUs in all, one trainer rank each (default 1)."),
+    click.option("--gpus", type=_range(JOB_BOUNDS["world_size"], whole=True),
+                 help="GPUs in all, one trainer rank each (default 1)."),
     click.option("--nodes", type=click.IntRange(1, 1024), help="Nodes to spread the GPUs over (default 1)."),
     click.option("--fsdp", is_flag=True,
                  help="Shard the model over the GPUs (FSDP): for a base too large for one GPU."),

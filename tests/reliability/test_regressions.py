@@ -32,13 +32,15 @@ def test_epochs_that_are_not_whole_numbers_are_a_400_not_a_500() -> None:
     import pytest
 
     from gateway.errors import ServiceError
-    from gateway.services.jobspec import MAX_EPOCHS, _epochs
-    from trainer.contract.spec import Hyperparameters
+    from gateway.api.openai import to_ours
+    from gateway.services.jobspec import _epochs
 
-    assert Hyperparameters.model_fields["epochs"].metadata[-1].le == MAX_EPOCHS
     for bad in ("{{7*7}}", None, True, 0, -1, 2.5, 1e308, float("inf"), float("nan"), [3], 10 ** 30):
         with pytest.raises(ServiceError) as e:
             _epochs({"epochs": bad})
+        assert e.value.status == 400 and e.value.param == "hyperparameters.epochs"
+        with pytest.raises(ServiceError) as e:
+            to_ours({"n_epochs": bad})             # OpenAI's name: the error names it
         assert e.value.status == 400 and e.value.param == "hyperparameters.n_epochs"
     assert _epochs({}) == 3 and _epochs({"epochs": 2.0}) == 2
 

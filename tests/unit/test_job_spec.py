@@ -9,7 +9,8 @@ import pytest
 from gateway.config import Settings
 from gateway.errors import ServiceError
 from gateway.models import DataFile, FineTuningJob
-from gateway.services.jobspec import build_hyperparameters, job_spec
+from gateway.api.openai import to_ours
+from gateway.services.jobspec import job_spec
 from gateway.storage.layout import result_path
 from trainer.catalog import CatalogEntry
 from trainer.contract.spec import parse_spec, spec_hash
@@ -23,7 +24,7 @@ def _spec(tmp_path: Path, hp: dict[str, object] | None = None, **settings: objec
     s = Settings(storage_root=tmp_path, database_url="sqlite://", **settings)
     train = DataFile(id="file-1", tenant_id=1, filename="t.jsonl", bytes=10, sha256=SHA)
     job = FineTuningJob(id="ftjob-" + "c" * 24, tenant_id=1, training_file="file-1", model="tiny-chat",
-                        hyperparameters=build_hyperparameters(hp or {}))
+                        hyperparameters=to_ours(hp or {}))
     return job_spec(s, "acme", job, train, None, ENTRY)
 
 
@@ -114,19 +115,18 @@ def _dpo_spec(tmp_path: Path, hp: dict[str, object]) -> dict[str, object]:
     s = Settings(storage_root=tmp_path, database_url="sqlite://")
     train = DataFile(id="file-1", tenant_id=1, filename="p.jsonl", bytes=10, sha256=SHA)
     job = FineTuningJob(id="ftjob-" + "f" * 24, tenant_id=1, training_file="file-1", model="tiny-chat",
-                        hyperparameters=build_hyperparameters(hp), method="dpo")
+                        hyperparameters=to_ours(hp), method="dpo")
     return job_spec(s, "acme", job, train, None, ENTRY)
 
 
 def test_a_dpo_job_tells_the_trainer_its_method_and_beta(tmp_path: Path) -> None:
-    from gateway.services.jobspec import DEFAULT_BETA
-    from trainer.contract.spec import Hyperparameters
+    from trainer.contract.spec import HYPERPARAMETER_DEFAULTS, Hyperparameters
 
     spec = _dpo_spec(tmp_path, {"beta": 0.25, "n_epochs": 2})
     parsed = parse_spec(spec)
     assert parsed.method == "dpo" and parsed.hyperparameters.beta == 0.25
-    assert parse_spec(_dpo_spec(tmp_path, {})).hyperparameters.beta == DEFAULT_BETA
-    assert DEFAULT_BETA == Hyperparameters.model_fields["beta"].default
+    assert parse_spec(_dpo_spec(tmp_path, {})).hyperparameters.beta == HYPERPARAMETER_DEFAULTS["beta"]
+    assert HYPERPARAMETER_DEFAULTS["beta"] == Hyperparameters.model_fields["beta"].default
     sft = _spec(tmp_path)
     assert "method" not in sft and "beta" not in sft["hyperparameters"]   # a supervised spec's hash as before
     assert spec_hash(parsed) != spec_hash(parse_spec(_dpo_spec(tmp_path, {"beta": 0.5, "n_epochs": 2})))

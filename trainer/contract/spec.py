@@ -13,7 +13,10 @@ import math
 import re
 import types
 import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -255,20 +258,53 @@ _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_e
 def _range_of(loc: tuple[int | str, ...]) -> str | None:
     """Return e.g. ``1 <= epochs <= 100`` for the numeric field at ``loc``."""
     parent = _model_at(JobSpec, loc[:-1]) if loc else None
-    field = parent.model_fields.get(str(loc[-1])) if parent else None
-    if field is None:
+    if parent is None or str(loc[-1]) not in parent.model_fields:
         return None
-    low = high = ""
+    found = bounds(parent, str(loc[-1]))
+    return found.describe(str(loc[-1])) if found else None
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The range of a numeric field, read from its pydantic constraints: the CLI, the portal and
+    the gateway's own checks take a range from here, so it is written once (in the ``Field``)."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False     # ``gt``: the low end itself is refused
+    high_open: bool = False    # ``lt``: the high end itself is refused
+
+    def __bool__(self) -> bool:
+        return self.low is not None or self.high is not None
+
+    def contains(self, value: float) -> bool:
+        """Whether ``value`` lies in the range."""
+        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
+            return False
+        return not (self.high is not None and (value > self.high or (self.high_open and value == self.high)))
+
+    def describe(self, name: str) -> str:
+        """The range as text, e.g. ``1 <= epochs <= 100`` or ``0.0 < beta <= 100.0``."""
+        low = "" if self.low is None else f"{self.low} {'<' if self.low_open else '<='} "
+        high = "" if self.high is None else f" {'<' if self.high_open else '<='} {self.high}"
+        return f"{low}{name}{high}"
+
+
+def bounds(model: type[BaseModel], name: str) -> Bounds:
+    """The :class:`Bounds` of field ``name`` of ``model`` (empty for a field without a range)."""
+    field = model.model_fields[name]
+    low = high = None
+    low_open = high_open = False
     for meta in _constraints(field.metadata, field.annotation):
         if getattr(meta, "ge", None) is not None:
-            low = f"{meta.ge} <= "
+            low, low_open = meta.ge, False
         if getattr(meta, "gt", None) is not None:
-            low = f"{meta.gt} < "
+            low, low_open = meta.gt, True
         if getattr(meta, "le", None) is not None:
-            high = f" <= {meta.le}"
+            high, high_open = meta.le, False
         if getattr(meta, "lt", None) is not None:
-            high = f" < {meta.lt}"
-    return f"{low}{loc[-1]}{high}" if low or high else None
+            high, high_open = meta.lt, True
+    return Bounds(low, high, low_open, high_open)
 
 
 def _constraints(metadata: list[Any], annotation: Any) -> list[Any]:
@@ -309,6 +345,19 @@ def load_spec(path: str | Path) -> JobSpec:
     except json.JSONDecodeError as e:
         raise SpecError(f"spec file {path} is not valid JSON (line {e.lineno}): {e.msg}") from e
     return parse_spec(data)
+
+
+HYPERPARAMETER_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {name: field.default for name, field in Hyperparameters.model_fields.items()})
+"""Every hyperparameter's default (``learning_rate``'s is also the base of OpenAI's multiplier)."""
+
+HYPERPARAMETER_BOUNDS: Mapping[str, Bounds] = MappingProxyType(
+    {name: b for name in Hyperparameters.model_fields if (b := bounds(Hyperparameters, name))})
+"""The range of every numeric hyperparameter."""
+
+JOB_BOUNDS: Mapping[str, Bounds] = MappingProxyType(
+    {name: b for name in JobSpec.model_fields if (b := bounds(JobSpec, name))})
+"""The range of every numeric field of the spec itself (``checkpoint_every_steps``, ``world_size``...)."""
 
 
 _ADDED_HYPERPARAMETERS = ("warmup_ratio", "early_stopping_patience", "early_stopping_min_delta", "torch_compile",

@@ -85,7 +85,8 @@
     function refresh() {
       const file = form.elements.training_file.value;
       const epochs = form.elements.epochs.value;
-      if (!file || !(+epochs >= 1 && +epochs <= 100)) return;
+      const range = form.elements.epochs;   // min and max: the contract's, rendered by the server
+      if (!file || !(+epochs >= +range.min && +epochs <= +range.max)) return;
       const model = form.elements.model ? form.elements.model.value : "";
       const url = box.dataset.url + "?training_file=" + encodeURIComponent(file) + "&epochs=" + encodeURIComponent(epochs) +
         "&model=" + encodeURIComponent(model);

@@ -1,0 +1,79 @@
+"""OpenAI's hyperparameter names and ours: the one place a request's names are translated.
+
+A request may name a hyperparameter as OpenAI's fine-tuning API does (``n_epochs``,
+``learning_rate_multiplier``, ``batch_size``; ``"auto"`` for our default) or as the trainer's
+spec does (``trainer.contract.spec.Hyperparameters``: ``epochs``, ``learning_rate``,
+``batch_size_tokens``...). The routes translate to ours here (:func:`to_ours`, :func:`grid_to_ours`)
+before anything reaches a service, and ``job_object`` gives OpenAI's names back
+(:func:`to_openai`); services, the database and the spec know only ours. The numbers (the
+base learning rate behind a multiplier of 1, the epochs' range, beta's default) are the
+contract's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from gateway.errors import ServiceError
+from gateway.services.jobspec import whole_epochs
+from trainer.contract.spec import HYPERPARAMETER_DEFAULTS
+
+BASE_LEARNING_RATE: float = HYPERPARAMETER_DEFAULTS["learning_rate"]
+"""What ``learning_rate_multiplier`` multiplies: our default learning rate (a multiplier of 1 is it)."""
+
+AUTO = "auto"
+EPOCHS = "n_epochs"
+MULTIPLIER = "learning_rate_multiplier"
+BATCH_SIZE = "batch_size"          # examples per batch: we pack by tokens (batch_size_tokens), so it is ignored
+OURS = {EPOCHS: "epochs", MULTIPLIER: "learning_rate"}
+"""OpenAI's names that have one of ours (``batch_size`` has none)."""
+NAMES = (EPOCHS, MULTIPLIER, BATCH_SIZE)
+
+
+def _multiplier(value: Any, param: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ServiceError(f"{param} must be a positive number", param=param)
+    return BASE_LEARNING_RATE * value
+
+
+def to_ours(raw: Mapping[str, Any], param: str = "hyperparameters") -> dict[str, Any]:
+    """A request's hyperparameters with our names: ``"auto"`` values left out (our default),
+    ``n_epochs`` → ``epochs`` (a whole number in the contract's range), ``learning_rate_multiplier`` → ``learning_rate``
+    (times :data:`BASE_LEARNING_RATE`), ``batch_size`` dropped; our own names pass as they are
+    (the spec checks them). ServiceError (400) naming the field for a bad multiplier or epochs."""
+    hp = {k: v for k, v in raw.items() if v != AUTO}
+    if EPOCHS in hp:
+        hp["epochs"] = whole_epochs(hp.pop(EPOCHS), f"{param}.{EPOCHS}")
+    if MULTIPLIER in hp:
+        hp["learning_rate"] = _multiplier(hp.pop(MULTIPLIER), f"{param}.{MULTIPLIER}")
+    hp.pop(BATCH_SIZE, None)
+    return hp
+
+
+def grid_to_ours(grid: Mapping[str, list[Any]]) -> dict[str, list[Any]]:
+    """A sweep's grid with our names (each value translated as :func:`to_ours` does); a key named
+    both ways (``n_epochs`` and ``epochs``) is refused."""
+    out: dict[str, list[Any]] = {}
+    for key, values in grid.items():
+        ours = OURS.get(key, key)
+        if ours in out:
+            raise ServiceError(f"grid.{key} and grid.{ours} are the same hyperparameter: give it once",
+                               param=f"grid.{key}")
+        if key == EPOCHS:
+            out[ours] = [whole_epochs(v, f"grid.{key}") for v in values]
+        elif key == MULTIPLIER:
+            out[ours] = [_multiplier(v, f"grid.{key}") for v in values]
+        else:
+            out[ours] = list(values)
+    return out
+
+
+def to_openai(hp: Mapping[str, Any]) -> dict[str, Any]:
+    """OpenAI's ``hyperparameters`` of a job whose recorded (our) hyperparameters are ``hp``:
+    ``n_epochs``, ``batch_size`` (``"auto"``) and ``learning_rate_multiplier`` (``"auto"`` when the
+    job kept our default learning rate)."""
+    lr = hp.get("learning_rate")
+    return {EPOCHS: hp.get("epochs", HYPERPARAMETER_DEFAULTS["epochs"]), BATCH_SIZE: AUTO,
+            MULTIPLIER: (lr / BASE_LEARNING_RATE) if lr else AUTO}
