@@ -7,17 +7,18 @@ from pathlib import Path
 
 import click
 
+from accounting.charts import usage_png
+from accounting.fairshare import fairshare_report
+from accounting.gateway_facts import load_gateway_facts
 from accounting.render import FORMATS, check_format, fairshare_text, usage_text
 from accounting.usage import GROUPINGS, UsageReport, usage_report
 from accounting.window import DATE_HELP, AccountingError, Window, make_window
 from gateway.cli.util import friendly_errors
+from gateway.config import get_settings
+from gateway.slurm import SlurmClient, make_runner
 
 
 def _fetch_usage(window: Window, by: str, accounts: tuple[str, ...]) -> UsageReport:
-    from accounting.gateway_facts import load_gateway_facts
-    from gateway.config import get_settings
-    from gateway.slurm import SlurmClient, make_runner
-
     settings = get_settings()
     now = datetime.now(UTC)
     rows = SlurmClient(make_runner(settings)).sacct(window.start, window.end,
@@ -56,8 +57,6 @@ def register(admin: click.Group) -> None:
         rep = _fetch_usage(make_window(start, end), by, accounts)
         click.echo(usage_text(rep, fmt))
         if plot:
-            from accounting.charts import usage_png
-
             Path(plot).write_bytes(usage_png(rep))
             click.echo(f"chart written to {plot}", err=True)
 
@@ -66,10 +65,6 @@ def register(admin: click.Group) -> None:
     @friendly_errors
     def fairshare(start: str, end: str, accounts: tuple[str, ...], fmt: str) -> None:
         """Shares, sshare's fairshare factor, usage share vs entitled share, Jain's index."""
-        from accounting.fairshare import fairshare_report
-        from gateway.config import get_settings
-        from gateway.slurm import SlurmClient, make_runner
-
         check_format(fmt)
         rep = _fetch_usage(make_window(start, end), "tenant", accounts)
         shares = SlurmClient(make_runner()).sshare()

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from bench.gateway import READ_TENANT, Api, Server, onboard, pct  # noqa: E402
 from gateway.config import Settings  # noqa: E402
 from gateway.slurm import LocalRunner, SlurmClient  # noqa: E402
-from gateway.slurm.admin import unix_user_for  # noqa: E402
+from gateway.storage.layout import unix_user_for  # noqa: E402
 
 TENANT = READ_TENANT
 LONG_HP = {"n_epochs": 40, "batch_size_tokens": 512, "max_seq_len": 256, "checkpoint_every_steps": 1000}

@@ -70,10 +70,11 @@ from accounting.usage import usage_report  # noqa: E402
 from accounting.window import Window  # noqa: E402
 from gateway.config import get_settings  # noqa: E402
 from gateway.slurm import JobScript, LocalRunner, SlurmClient  # noqa: E402
-from gateway.slurm.admin import Admin, unix_user_for  # noqa: E402
 from gateway.slurm.policy import QosTier  # noqa: E402
 from gateway.slurm.records import AcctRecord, Owner  # noqa: E402
 from gateway.state import SLURM_ACTIVE  # noqa: E402
+from gateway.storage.layout import unix_user_for  # noqa: E402
+from gateway.storage.onboarding import TenantAdmin  # noqa: E402
 
 A, B = "t-fair-a", "t-fair-b"
 BENCH_QOS = QosTier(name="ft-bench", description="fairness bench: a whole node pair per user",
@@ -81,7 +82,7 @@ BENCH_QOS = QosTier(name="ft-bench", description="fairness bench: a whole node p
                     max_submit_jobs_per_user=60, deny_on_limit=True)
 
 
-def setup(admin: Admin) -> None:
+def setup(admin: TenantAdmin) -> None:
     admin.apply_qos({BENCH_QOS.name: BENCH_QOS})  # only ft-bench: other tiers are left as they are
     for t in (A, B):
         admin.add_tenant(t, shares=10, qos=[BENCH_QOS.name, "ft-standard"])
@@ -158,7 +159,7 @@ class GangRun:
     jain: float
 
 
-def gang_setup(admin: Admin) -> None:
+def gang_setup(admin: TenantAdmin) -> None:
     admin.apply_qos(GANG_TIERS)  # only the bench tiers: the shipped ones are left as they are
     for t in (GA, GB):
         admin.add_tenant(t, shares=10, qos=list(GANG_TIERS))
@@ -246,7 +247,7 @@ def gang_main(args) -> int:  # type: ignore[no-untyped-def]
     settings = get_settings()
     runner = LocalRunner()
     client = SlurmClient(runner)
-    gang_setup(Admin(runner, storage_root=settings.storage_root, parent_account=settings.parent_account))
+    gang_setup(TenantAdmin(runner, storage_root=settings.storage_root, parent_account=settings.parent_account))
     print(f"workload: A {args.big_jobs} x 4 GPUs x {args.big_s}s at t=0; B {args.small_jobs} x 1 GPU x "
           f"{args.small_s}s, one every {args.every}s from t=2; 2 nodes x 4 GPUs")
     for policy in POLICIES:
@@ -304,7 +305,7 @@ def main() -> int:
 
     settings = get_settings()
     client = SlurmClient(LocalRunner())
-    admin = Admin(LocalRunner(), storage_root=settings.storage_root, parent_account=settings.parent_account)
+    admin = TenantAdmin(LocalRunner(), storage_root=settings.storage_root, parent_account=settings.parent_account)
     setup(admin)
     tag = datetime.now(UTC).strftime("%H%M%S")
     start = datetime.now(UTC).replace(microsecond=0) - timedelta(seconds=1)

@@ -54,8 +54,9 @@ from gateway.config import Settings  # noqa: E402
 from gateway.db import make_engine, migrate  # noqa: E402
 from gateway.models import Role  # noqa: E402
 from gateway.slurm import JobScript, LocalRunner, SlurmClient  # noqa: E402
-from gateway.slurm.admin import Admin, unix_user_for  # noqa: E402
 from gateway.slurm.runner import CommandResult  # noqa: E402
+from gateway.storage.layout import unix_user_for  # noqa: E402
+from gateway.storage.onboarding import TenantAdmin  # noqa: E402
 
 STORAGE = Path("/srv/slurm-finetune")
 MODEL = "tiny-chat"
@@ -114,7 +115,7 @@ def onboard(db_url: str, tenants: Sequence[str]) -> dict[str, str]:
     from gateway.access.tokens import create_token
     from gateway.services.tenants import ensure_tenant
 
-    admin = Admin(LocalRunner(), storage_root=STORAGE)
+    admin = TenantAdmin(LocalRunner(), storage_root=STORAGE)
     engine = make_engine(db_url)
     migrate(engine)
     tokens = {}

@@ -12,10 +12,15 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.access.policy import Policy, undeclared_routes
-from gateway.api.deps import access
-from gateway.api.errors import error_body
-from gateway.config import Settings
+from gateway.api import files, jobs, metrics, models, registry, staff, sweeps, webhooks
+from gateway.api.deps import PrincipalCache, access
+from gateway.api.errors import COMMON_ERRORS, error_body, strip_422
+from gateway.api.limits import BodyLimit
+from gateway.config import Settings, get_settings
 from gateway.errors import ServiceError
+from gateway.jobs.backend import build_backend
+from gateway.portal import STATIC_DIR, STATIC_URL
+from gateway.portal import router as portal_router
 
 log = logging.getLogger("gateway.api")
 
@@ -32,10 +37,6 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
 
     from fastapi.staticfiles import StaticFiles
 
-    from gateway.api import files, jobs, metrics, models, registry, staff, sweeps, webhooks
-    from gateway.jobs.backend import build_backend
-    from gateway.portal import STATIC_DIR, STATIC_URL
-    from gateway.portal import router as portal_router
 
     backend = build_backend(settings, scheduler=slurm, run_migrations=run_migrations)
 
@@ -58,16 +59,13 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
             app.state.reconciler.stop.set()
             thread.join(10)
 
-    from gateway.api.errors import COMMON_ERRORS, strip_422
 
     app = FastAPI(title="slurm-finetune gateway", version="0.1.0", lifespan=lifespan, responses=COMMON_ERRORS)
-    from gateway.api.limits import BodyLimit
 
     app.add_middleware(BodyLimit, max_bytes=settings.max_json_bytes)   # 413 for oversized bodies
     metrics.install(app)                                                # outermost: times everything
     app.state.settings = settings
     app.state.engine = backend.engine
-    from gateway.api.deps import PrincipalCache
 
     app.state.principals = PrincipalCache(settings.token_cache_s) if settings.token_cache_s > 0 else None
     app.state.slurm = backend.scheduler
@@ -131,6 +129,4 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
 
 def worker_app() -> FastAPI:
     """One API worker of a multi-process `finetune serve`: the reconciler runs elsewhere."""
-    from gateway.config import get_settings
-
     return create_app(get_settings(), reconcile=False)

@@ -138,15 +138,3 @@ def session_scope(engine: Engine) -> Iterator[Session]:
         except BaseException:
             session.rollback()
             raise
-
-
-def open_database(settings: Any, *, run_migrations: bool = True) -> Engine:
-    """The engine of ``settings.database_url``, migrated to head, its audit chain anchored in
-    ``settings.audit_key_file``: what every process that writes the gateway's DB starts with."""
-    from gateway.access import audit
-
-    engine = make_engine(settings.database_url)
-    audit.use_key_file(engine, settings.audit_key_file)
-    if run_migrations:
-        migrate(engine)
-    return engine

@@ -46,6 +46,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlmodel import Session, col, select
 
 from gateway.config import get_settings
+from gateway.db import make_engine, migrate
 from gateway.models import AuditEntry, AuditHead
 
 log = logging.getLogger("gateway.access.audit")
@@ -98,6 +99,17 @@ def use_key_file(engine: Engine, path: Path | str) -> None:
     """Sign and verify ``engine``'s audit head with the key in ``path`` (default: the
     ``audit_key_file`` setting)."""
     _key_files[engine] = Path(path)
+
+
+def open_database(settings: Any, *, run_migrations: bool = True) -> Engine:
+    """The engine of ``settings.database_url``, migrated to head, its audit chain anchored in
+    ``settings.audit_key_file``: what every process that writes the gateway's DB starts with.
+    It lives here, above gateway.db, because it composes the engine with the audit key."""
+    engine = make_engine(settings.database_url)
+    use_key_file(engine, settings.audit_key_file)
+    if run_migrations:
+        migrate(engine)
+    return engine
 
 
 def key_file_for(engine: Engine | None) -> Path:

@@ -111,18 +111,6 @@ def _tenant_name(session: Session, row: ApiToken) -> str | None:
     return tenant.name if tenant else None
 
 
-def onboarding_token(engine: Any, tenant: str, *, name: str = "") -> str:
-    """A member token for ``tenant`` (its row made if missing), committed; for the demo and
-    local mode, which onboard a tenant and hand its token to the person at the keyboard."""
-    from gateway.db import session_scope
-    from gateway.services.tenants import ensure_tenant
-
-    with session_scope(engine) as s:
-        secret, _ = create_token(session=s, role=Role.MEMBER, tenant=ensure_tenant(session=s, name=tenant),
-                                 name=name)
-    return secret
-
-
 def create_token(*, session: Session, role: Role, tenant: Tenant | None, name: str = "",
                  minted_by: Minter | None = None, now: datetime | None = None,
                  operator: bool | None = None, note: str = "",

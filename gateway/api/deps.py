@@ -13,6 +13,7 @@ from fastapi import Depends, Request
 from sqlmodel import Session
 
 from gateway.access.policy import OPERATOR_ROLES, Policy, admits, declares, refusal, tenant_read
+from gateway.access.staff import db_now, record_refusal, record_tenant_read
 from gateway.access.tokens import Principal, authenticate
 from gateway.config import Settings
 from gateway.db import session_scope
@@ -91,8 +92,6 @@ PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 def now_for(request: Request, session: Session) -> datetime:
     """The app's clock: ``app.state.clock(session)`` when set (tests move it), else DB time."""
-    from gateway.access.staff import db_now
-
     clock: Callable[[Any], datetime] = getattr(request.app.state, "clock", None) or db_now
     return clock(session)
 
@@ -122,16 +121,12 @@ def access(policy: Policy | str) -> Any:
     async def check(request: Request, principal: PrincipalDep, session: SessionDep) -> Principal:
         if not admits(policy, principal.role):
             if principal.role in OPERATOR_ROLES:
-                from gateway.access.staff import record_refusal
-
                 record_refusal(request.app.state.engine, now=now_for(request, session), principal=principal,
                                path_params=request.path_params, route=f"{request.method} {request.url.path}")
             raise Forbidden(refusal(policy, principal.role))
         if principal.operator_minted and principal.tenant_id is not None:
             route = getattr(request.scope.get("route"), "path", request.url.path)
             if (action := tenant_read(policy, request.method, route)) is not None:
-                from gateway.access.staff import record_tenant_read
-
                 record_tenant_read(request.app.state.engine, now=now_for(request, session), principal=principal,
                                    action=action, path_params=request.path_params, route=f"{request.method} {route}")
         return principal

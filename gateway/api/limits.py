@@ -25,6 +25,8 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.api.errors import error_body
+
 # The routes whose multipart body is streamed and capped by gateway/datasets/uploads.py (POST only).
 UPLOAD_PATHS = frozenset({"/v1/files", "/portal/datasets"})
 CODE = "request_too_large"
@@ -38,7 +40,6 @@ class BodyLimit:
         if max_bytes < 1:
             raise ValueError(f"max_json_bytes must be positive, got {max_bytes}")
         self.app, self.max_bytes, self.upload_paths = app, max_bytes, upload_paths
-        from gateway.api.errors import error_body
 
         body = json.dumps(error_body(
             f"the request body is over the {max_bytes}-byte limit for JSON and form requests "

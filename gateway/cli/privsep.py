@@ -22,6 +22,9 @@ import pwd
 from pathlib import Path
 from typing import Any
 
+from gateway.storage import storage_for
+from gateway.storage.safefs import UnsafeStorage, own_dir
+
 
 class PrivilegeError(SystemExit):
     pass
@@ -29,8 +32,6 @@ class PrivilegeError(SystemExit):
 
 def _own_dir(path: Path, uid: int, gid: int) -> None:
     """``path`` as a 0700 directory of ``uid`` (created if missing; never through a link)."""
-    from gateway.storage.safefs import UnsafeStorage, own_dir
-
     path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     try:
         own_dir(path, uid, gid, 0o700)
@@ -52,8 +53,6 @@ def become_service_user(settings: Any, *, start_broker: bool = True) -> None:
         raise PrivilegeError("refusing to run the gateway as root: SFT_SERVICE_USER must not be root")
     _own_dir(settings.state_dir, pw.pw_uid, pw.pw_gid)
     if start_broker:
-        from gateway.storage import storage_for
-
         storage_for(settings).ensure_broker()
     os.setgroups([])
     os.setresgid(pw.pw_gid, pw.pw_gid, pw.pw_gid)

@@ -15,8 +15,16 @@ from typing import Any
 
 import click
 
+from gateway.cli.demo import run_demo
+from gateway.cli.privsep import become_service_user
 from gateway.cli.util import friendly_errors
-from gateway.config import get_settings
+from gateway.config import Settings, get_settings
+from gateway.devcluster.cluster import DevCluster
+from gateway.jobs.backend import build_backend
+from gateway.services.tenants import onboard_empty
+from gateway.slurm.local import banner, prepare
+from gateway.storage.broker import main as broker_main
+from gateway.usercli import save_credentials, saved_url
 
 
 # ------------------------------------------------------------------ dev-cluster
@@ -29,8 +37,6 @@ def dev_cluster() -> None:
 @friendly_errors
 def dev_cluster_up() -> None:
     """Install what is missing, render configs, start the daemons, apply QOS tiers."""
-    from gateway.devcluster.cluster import DevCluster
-
     dc = DevCluster(echo=click.echo)
     seconds = dc.up()
     click.echo(f"dev cluster up in {seconds:.1f}s: nodes {dc.node_states()}")
@@ -40,8 +46,6 @@ def dev_cluster_up() -> None:
 @friendly_errors
 def dev_cluster_down() -> None:
     """Stop the daemons `up` started (and only those)."""
-    from gateway.devcluster.cluster import DevCluster
-
     stopped = DevCluster(echo=click.echo).down()
     click.echo("stopped: " + (", ".join(stopped) or "nothing was running"))
 
@@ -50,8 +54,6 @@ def dev_cluster_down() -> None:
 @friendly_errors
 def dev_cluster_status() -> None:
     """Daemons with their PIDs, and node states. Exit 1 if a recorded daemon is dead."""
-    from gateway.devcluster.cluster import DevCluster
-
     st = DevCluster(echo=click.echo).status()
     click.echo(json.dumps(st, indent=2))
     daemons = st["daemons"]
@@ -74,15 +76,11 @@ def local_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _settings(local: bool, data_dir: Path | None):  # type: ignore[no-untyped-def]
     """Settings from the environment, in local mode when asked; local mode announces itself."""
-    from gateway.config import Settings
-
     over: dict[str, Any] = {"backend": "local"} if local or data_dir else {}
     if data_dir:
         over["data_dir"] = data_dir
     settings = Settings(**over) if over else get_settings()
     if settings.local:
-        from gateway.slurm.local import banner, prepare
-
         prepare(settings)
         click.secho(banner(settings), fg="yellow", bold=True, err=True)
     return settings
@@ -100,8 +98,7 @@ def serve(host: str, port: int, workers: int, log_level: str, local: bool, data_
     """Serve the HTTP API and portal (settings from SFT_* environment variables)."""
     import uvicorn
 
-    from gateway.app import create_app
-    from gateway.cli.privsep import become_service_user
+    from gateway.app import create_app  # lazy: FastAPI and every route, only for the commands that serve
 
     settings = _settings(local, data_dir)
     if settings.local:
@@ -122,13 +119,8 @@ def serve(host: str, port: int, workers: int, log_level: str, local: bool, data_
 
 def _local_first_start(settings: Any, url: str) -> None:
     """Local mode's first start: tenant ``local`` and its token, saved where `finetune login` saves."""
-    from gateway.slurm.local import onboard
-    from gateway.usercli import save_credentials
-
-    token = onboard(settings, "local")
+    token = onboard_empty(settings, "local", name="local")
     if token is not None:
-        from gateway.usercli import saved_url
-
         if saved_url() not in (None, url):      # logged in elsewhere: do not replace that login
             click.echo(f"tenant 'local' created; its token (shown once): {token}\n"
                        f"  use it: finetune login --url {url} --token {token}", err=True)
@@ -136,7 +128,7 @@ def _local_first_start(settings: Any, url: str) -> None:
             path = save_credentials(url, token)
             click.echo(f"tenant 'local' created; its token is saved in {path}: `finetune files upload "
                        f"FILE` and the other commands use it", err=True)
-    from trainer import catalog
+    from trainer import catalog  # lazy: the trainer side, only to hint at a first model
 
     if not catalog.list_models(settings.models_root):
         click.echo(f"no base model yet: `finetune models make-tiny /tmp/tiny --register tiny-chat --root "
@@ -145,8 +137,6 @@ def _local_first_start(settings: Any, url: str) -> None:
 
 
 def _reconciler(settings):  # type: ignore[no-untyped-def]
-    from gateway.jobs.backend import build_backend
-
     reconciler = build_backend(settings).reconciler
     if reconciler is None:
         click.echo("Slurm does not answer: no reconciler", err=True)
@@ -158,8 +148,6 @@ def _reconciler(settings):  # type: ignore[no-untyped-def]
 @friendly_errors
 def reconcile(once: bool) -> None:
     """Run the reconciler alone (when the API runs elsewhere or with several workers)."""
-    from gateway.cli.privsep import become_service_user
-
     settings = get_settings()
     become_service_user(settings)
     rec = _reconciler(settings)
@@ -187,8 +175,6 @@ def reconcile(once: bool) -> None:
 def broker(socket_path: Path | None) -> None:
     """Run the storage broker (root): tenant-storage verbs as the tenant, for the gateway's
     service user only. `finetune serve` started as root starts one itself when none answers."""
-    from gateway.storage.broker import main as broker_main
-
     settings = get_settings()
     broker_main(["--socket", str(socket_path or settings.broker_socket),
                  "--allow-user", settings.service_user])
@@ -203,6 +189,4 @@ def demo(tiny: bool, local: bool, data_dir: Path | None) -> None:
     """End-to-end walk-through: tenant, base model, dataset, QLoRA job, before/after.
 
     On the dev cluster (root), or with --local as an ordinary user without Slurm."""
-    from gateway.cli.demo import run_demo
-
     sys.exit(run_demo(_settings(local, data_dir), echo=click.echo, tiny=tiny))

@@ -3,7 +3,7 @@
 Tenants (Slurm accounts, fairshare, QOS, unix users, storage), API tokens, the
 audit log, QOS policy and drained nodes; ``accounting.cli`` adds ``report`` and
 ``fairshare``. Each command parses its options, calls one function of
-``gateway.slurm.admin``, ``gateway.access`` or ``gateway.services``, and prints.
+``gateway.storage.onboarding``, ``gateway.access`` or ``gateway.services``, and prints.
 """
 
 from __future__ import annotations
@@ -13,10 +13,24 @@ import sys
 from pathlib import Path
 
 import click
+from sqlalchemy.engine import Engine
 
+from gateway.access import audit
+from gateway.access.audit import UNCHECKED, open_database, verify
+from gateway.access.staff import db_now
+from gateway.access.tokens import local_admin, operator_mint, revoke_token, token_object
 from gateway.cli.util import friendly_errors
 from gateway.config import get_settings
+from gateway.db import make_engine, migrate, session_scope
+from gateway.models import ApiToken, Role
+from gateway.services.tenants import ensure_tenant, get_tenant
 from gateway.slurm import make_runner
+from gateway.slurm.client import SlurmClient
+from gateway.slurm.policy import diff_qos, load_policy, unmanaged_qos
+from gateway.slurm.scrubreports import DEFAULT_REPORT_DIR, latest_reports
+from gateway.slurm.validate import validate_tenant_name
+from gateway.storage import storage_for
+from gateway.storage.onboarding import TenantAdmin
 
 
 @click.group()
@@ -29,12 +43,10 @@ def tenant() -> None:
     """Tenant onboarding."""
 
 
-def _admin():  # type: ignore[no-untyped-def]
-    from gateway.slurm.admin import Admin
-
+def _admin() -> TenantAdmin:
     s = get_settings()
-    return Admin(make_runner(s), storage_root=s.storage_root, parent_account=s.parent_account,
-                 service_user=s.service_user)
+    return TenantAdmin(make_runner(s), storage_root=s.storage_root, parent_account=s.parent_account,
+                       service_user=s.service_user)
 
 
 @tenant.command("add")
@@ -51,10 +63,6 @@ def tenant_add(name: str, shares: int, qos: str) -> None:
     NAME whose user would be the service user, or an existing account this command did not make,
     is refused before anything is created.
     """
-    from gateway.db import make_engine, migrate, session_scope
-    from gateway.services.tenants import ensure_tenant
-    from gateway.slurm.validate import validate_tenant_name
-
     validate_tenant_name(name)  # before anything runs
     t = _admin().add_tenant(name, shares=shares, qos=[q.strip() for q in qos.split(",")],
                             notify=lambda line: click.echo(line, err=True))
@@ -74,8 +82,6 @@ def tenant_add(name: str, shares: int, qos: str) -> None:
 @friendly_errors
 def tenant_modify(name: str, shares: int | None, qos: str | None, gpu_limit: str | None) -> None:
     """Change tenant NAME's shares, QOS tiers or GPU limit (only what is given)."""
-    from gateway.slurm.validate import validate_tenant_name
-
     validate_tenant_name(name)
     limit: int | None = None
     if gpu_limit is not None:
@@ -125,9 +131,7 @@ def token() -> None:
     """API tokens. Every mint and revocation of a tenant's token is in that tenant's audit log."""
 
 
-def _token_db():  # type: ignore[no-untyped-def]
-    from gateway.db import open_database
-
+def _token_db() -> Engine:
     return open_database(get_settings())
 
 
@@ -147,13 +151,6 @@ def token_create(tenant_name: str | None, role: str, name: str, as_json: bool) -
     its unix user, 0600; never printed here): with it the holder makes the token the
     tenant's own (`finetune tokens claim`). Rotating it claims nothing.
     """
-    from gateway.access.staff import db_now
-    from gateway.access.tokens import local_admin, operator_mint
-    from gateway.db import session_scope
-    from gateway.models import Role
-    from gateway.services.tenants import get_tenant
-    from gateway.storage import storage_for
-
     settings = get_settings()
     with session_scope(_token_db()) as session:
         tenant = get_tenant(session=session, name=tenant_name) if tenant_name else None
@@ -184,11 +181,6 @@ def token_create(tenant_name: str | None, role: str, name: str, as_json: bool) -
 @friendly_errors
 def token_revoke(token_id: int, as_json: bool) -> None:
     """Revoke token TOKEN_ID (its tenant's audit log records it)."""
-    from gateway.access.staff import db_now
-    from gateway.access.tokens import local_admin, revoke_token, token_object
-    from gateway.db import session_scope
-    from gateway.models import ApiToken
-
     with session_scope(_token_db()) as session:
         before = session.get(ApiToken, token_id)
         already = before is not None and before.revoked_at is not None
@@ -219,8 +211,6 @@ def audit_verify(key_file: Path | None, as_json: bool) -> None:
     entries deleted, head rewritten without the key). Exit 2: the chain is consistent but
     the anchor could not be checked (no usable key file here): not verified.
     """
-    from gateway.access.audit import UNCHECKED, verify
-
     settings = get_settings()
     verdict = verify(_token_db(), key_file=key_file or settings.audit_key_file)
     if as_json:
@@ -242,10 +232,6 @@ def audit_reanchor(reason: str, key_file: Path | None) -> None:
     """Sign the head as it is now (after investigating a verdict, or for a database that is
     newer than its key file). Appends an audit.reanchor entry naming the verdict before; it
     hides no broken entry (verify still names those)."""
-    from gateway.access import audit
-    from gateway.access.staff import db_now
-    from gateway.access.tokens import local_admin
-
     engine = _token_db()
     if key_file is not None:
         audit.use_key_file(engine, key_file)
@@ -276,12 +262,10 @@ def qos_apply(policy: str | None, dry_run: bool) -> None:
     """Make the cluster's QOS tiers match POLICY (default: the shipped policy), changing only what differs."""
     from pathlib import Path
 
-    from gateway.slurm.policy import load_policy, unmanaged_qos
 
     tiers = load_policy(Path(policy) if policy else None)
     adm = _admin()
     cluster = adm.show_qos()
-    from gateway.slurm.policy import diff_qos
 
     changes = diff_qos(tiers, cluster)
     for c in changes:
@@ -302,9 +286,6 @@ def qos_apply(policy: str | None, dry_run: bool) -> None:
 @friendly_errors
 def admin_nodes(as_json: bool, last: int, report_dir: Path | None) -> None:
     """Drained or down nodes with Slurm's reason, and the last scrub results per node."""
-    from gateway.slurm.client import SlurmClient
-    from gateway.slurm.scrubreports import DEFAULT_REPORT_DIR, latest_reports
-
     nodes = SlurmClient(make_runner()).drained_nodes()
     scrubs = latest_reports(report_dir or DEFAULT_REPORT_DIR, per_node=last)
     if as_json:

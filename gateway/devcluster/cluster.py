@@ -238,7 +238,7 @@ class DevCluster:
         for n in self.cfg.names():
             self._spawn(f"slurmd-{n}", ["slurmd", "-D", "-N", n], pids)
         self._wait("nodes", self._nodes_usable, 60)
-        admin = Admin(self.runner, storage_root=self.cfg.storage_root)
+        admin = Admin(self.runner)
         admin.apply_qos(load_policy())
         # PrivateData hides other users' jobs and usage: the gateway must still see and act on all of them.
         if admin.ensure_operator(self.cfg.service_user):

@@ -15,8 +15,8 @@ from typing import Any
 
 from sqlalchemy.engine import Engine
 
+from gateway.access.audit import open_database
 from gateway.config import Settings
-from gateway.db import open_database
 from gateway.errors import SlurmError
 from gateway.jobs.reconciler import Reconciler
 from gateway.jobs.submission import Submitter

@@ -12,11 +12,12 @@ from gateway.config import Settings
 from gateway.errors import ServiceError
 from gateway.models import FineTuningJob
 from gateway.services import jobcreate
-from gateway.slurm.admin import Admin, unix_user_for
+from gateway.slurm.admin import Admin
 from gateway.slurm.records import Owner
 from gateway.slurm.render import JobScript
 from gateway.slurm.scheduler import Scheduler
 from gateway.storage import TenantRunner, storage_for
+from gateway.storage.layout import unix_user_for
 
 Submit = jobcreate.Submit        # the seam services call; Submitter is its implementation
 
@@ -66,9 +67,8 @@ class Submitter:
             hit = self._qos.get(tenant)
             if hit and time.monotonic() - hit[0] < self.qos_ttl_s:
                 return hit[1]
-        admin = Admin(self.client.runner, storage_root=self.settings.storage_root,
-                      parent_account=self.settings.parent_account)
-        allowed = admin.get_tenant(tenant).qos
+        admin = Admin(self.client.runner, parent_account=self.settings.parent_account)
+        allowed = admin.get_account(tenant).qos
         with self._lock:
             self._qos[tenant] = (time.monotonic(), allowed)
         return allowed
@@ -146,8 +146,7 @@ class Submitter:
         client = self.client
         if self.settings.local or not isinstance(client, SlurmClient):
             return StartEstimate(qos, datetime.now(UTC), None, None)      # local mode: no queue
-        admin = Admin(client.runner, storage_root=self.settings.storage_root,
-                      parent_account=self.settings.parent_account)
+        admin = Admin(client.runner, parent_account=self.settings.parent_account)
         cap = next((q.max_gpus_per_user for q in admin.show_qos() if q.name == qos), None)
         running = [r for r in client.running_gpus(tenant) if r[1] == qos]
         used = sum(r[2] for r in running)

@@ -19,6 +19,7 @@ from sqlmodel import Session
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.access.policy import OPERATOR_ROLES, Policy, admits, declares, refusal, tenant_read
+from gateway.access.staff import record_refusal, record_tenant_read
 from gateway.api.deps import SessionDep, now_for
 from gateway.api.limits import SCOPE_FLAG as BODY_TOO_LARGE
 from gateway.errors import Forbidden, ServiceError
@@ -153,8 +154,6 @@ def portal_access(policy: Policy | str) -> Any:
         role = user.principal.role
         if not admits(policy, role):
             if role in OPERATOR_ROLES:
-                from gateway.access.staff import record_refusal
-
                 record_refusal(request.app.state.engine, now=now_for(request, session), principal=user.principal,
                                path_params=request.path_params, route=f"{request.method} {request.url.path}")
             raise Forbidden(refusal(policy, role).replace("this route", "this page"))
@@ -162,8 +161,6 @@ def portal_access(policy: Policy | str) -> Any:
         if p.operator_minted and p.tenant_id is not None:
             route = getattr(request.scope.get("route"), "path", request.url.path)
             if (action := tenant_read(policy, request.method, route)) is not None:
-                from gateway.access.staff import record_tenant_read
-
                 record_tenant_read(request.app.state.engine, now=now_for(request, session), principal=p,
                                    action=action, path_params=request.path_params, route=f"{request.method} {route}")
         return user

@@ -10,18 +10,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from accounting.fairshare import FairshareReport, fairshare_report
+from accounting.gateway_facts import load_gateway_facts
+from accounting.usage import GROUPINGS, UsageReport, usage_report
+from accounting.window import AccountingError, make_window
 from gateway.config import Settings
 from gateway.errors import ClusterError, ServiceError, SlurmError
-
-if TYPE_CHECKING:
-    from accounting.fairshare import FairshareReport
-    from accounting.usage import UsageReport
-    from gateway.slurm.admin import Tenant
-    from gateway.slurm.policy import QosRow
-    from gateway.slurm.records import DrainedNode
-    from gateway.slurm.scrubreports import ScrubReport
+from gateway.slurm.policy import QosRow
+from gateway.slurm.records import DrainedNode
+from gateway.slurm.scrubreports import ScrubReport, latest_reports
+from gateway.storage.onboarding import Tenant, TenantAdmin
 
 
 def require_cluster(client: Any) -> Any:
@@ -46,8 +46,6 @@ class ClusterOverview:
 def cluster_overview(client: Any, settings: Settings) -> ClusterOverview:
     """Drained or down nodes with Slurm's reason (sinfo) and the newest scrub reports per node.
     Never raises for Slurm: a missing client or a failed sinfo is reported in ``error``."""
-    from gateway.slurm.scrubreports import latest_reports
-
     nodes: list[DrainedNode] = []
     error = None
     if client is None:
@@ -72,11 +70,6 @@ def usage_and_fairshare(client: Any, settings: Settings, *, start: str, end: str
     """The usage report (sacct, with the gateway's own facts) over ``start``..``end`` grouped
     ``by``, and the fairshare report (sshare). Raises AccountingError for a bad grouping or
     date, ServiceError (``no_backend``) without a cluster, ClusterError when sacct/sshare fail."""
-    from accounting.fairshare import fairshare_report
-    from accounting.gateway_facts import load_gateway_facts
-    from accounting.usage import GROUPINGS, usage_report
-    from accounting.window import AccountingError, make_window
-
     if by not in GROUPINGS:
         raise AccountingError(f"group by {by!r} is not a grouping; valid: {', '.join(GROUPINGS)}")
     window = make_window(start, end)
@@ -96,10 +89,8 @@ def usage_and_fairshare(client: Any, settings: Settings, *, start: str, end: str
 def tenants_and_qos(client: Any, settings: Settings) -> tuple[list[Tenant], list[QosRow]]:
     """Tenants (Slurm accounts under the parent account) and the cluster's QOS tiers (sacctmgr).
     Raises ServiceError (``no_backend``) without a cluster, ClusterError when sacctmgr fails."""
-    from gateway.slurm.admin import Admin
-
-    admin = Admin(require_cluster(client).runner, storage_root=settings.storage_root,
-                  parent_account=settings.parent_account)
+    admin = TenantAdmin(require_cluster(client).runner, storage_root=settings.storage_root,
+                        parent_account=settings.parent_account)
     try:
         return admin.list_tenants(), admin.show_qos()
     except SlurmError as e:

@@ -10,6 +10,7 @@ from sqlmodel import Session, col, select
 
 from gateway.access.tokens import Principal
 from gateway.config import Settings
+from gateway.datasets.tokencount import counter_for
 from gateway.datasets.validation import Validator
 from gateway.errors import Conflict, Forbidden, NotFound
 from gateway.models import DataFile, FileStatus, FineTuningJob, utcnow
@@ -48,8 +49,6 @@ def stream_file(settings: Settings, tenant_name: str, row: DataFile) -> Iterator
 
 def upload_validator(settings: Settings, model: str | None) -> Validator:
     """The streaming validator for an upload, with ``model``'s tokenizer when it has one."""
-    from gateway.datasets.tokencount import counter_for
-
     return Validator(max_seq_len=settings.max_seq_len, min_examples=settings.min_examples,
                      max_errors=settings.max_reported_errors, max_line_bytes=settings.max_line_bytes,
                      counter=counter_for(settings.models_root, model))

@@ -1,5 +1,6 @@
 """The only package that runs Slurm (and other system) binaries."""
 
+from gateway.config import Settings, get_settings
 from gateway.errors import SlurmError
 from gateway.slurm.client import CancelResult, JobStatus, SlurmClient
 from gateway.slurm.render import JobScript, RenderError, render_sbatch
@@ -15,8 +16,6 @@ __all__ = [
 
 def make_runner(settings: object | None = None) -> Runner:
     """A runner from settings: SSH when ``ssh_host`` is set, else local."""
-    from gateway.config import Settings, get_settings
-
     s = settings if isinstance(settings, Settings) else get_settings()
     if s.ssh_host:
         if s.ssh_key is None:

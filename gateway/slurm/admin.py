@@ -1,24 +1,21 @@
-"""Cluster-side administration: QOS tiers and tenant onboarding.
+"""Cluster-side administration: QOS tiers, the parent account, tenants' Slurm accounts.
 
-Everything here is idempotent: running ``add`` twice changes nothing the second
-time, and a partially onboarded tenant is completed by running it again.
+Only sacctmgr command lines live here; onboarding a whole tenant (its unix user and
+group, its storage root, then its account through ``Admin.ensure_account``) is
+``gateway.storage.onboarding``, a layer above. Everything is idempotent: running it
+twice changes nothing the second time.
 """
 
 from __future__ import annotations
 
-import grp
-import pwd
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from gateway.slurm.policy import QOS_SHOW_FORMAT, QosChange, QosRow, QosTier, diff_qos, parse_qos_show
 from gateway.slurm.records import gpu_count
 from gateway.slurm.runner import CommandResult, Runner, SlurmCommandError
 from gateway.slurm.validate import validate_qos_name, validate_tenant_name
-from gateway.storage import identities
-from gateway.storage.layout import tenant_root, unix_user_for
 
 ORGANIZATION = "slurm-finetune"
 _QUIET_NOOPS = ("Nothing new added", "Nothing modified", "Nothing to modify")
@@ -27,19 +24,12 @@ OPERATOR_LEVELS = ("Operator", "Administrator")
 
 
 @dataclass(frozen=True)
-class Tenant:
+class Account:
+    """A tenant's Slurm account under the parent account: its shares and QOS tiers."""
     name: str
-    unix_user: str
-    uid: int | None
     shares: int | None
     qos: tuple[str, ...]
     default_qos: str | None
-    storage: Path
-    storage_ok: bool
-
-
-class IdentityRefused(ValueError):
-    """A tenant whose unix user would be an account slurm-finetune did not make (or a reserved one)."""
 
 
 def _valid_unix_user(user: str) -> str:
@@ -48,32 +38,12 @@ def _valid_unix_user(user: str) -> str:
     return user
 
 
-def _getpw(user: str) -> pwd.struct_passwd | None:
-    try:
-        return pwd.getpwnam(user)
-    except KeyError:
-        return None
-
-
-def _group_name(gid: int) -> str | None:
-    try:
-        return grp.getgrgid(gid).gr_name
-    except KeyError:
-        return None
-
-
 class Admin:
-    """sacctmgr / useradd operations for QOS tiers and tenants. ``service_user``: the gateway's own
-    unix user, never a tenant's; ``registry``: the record of the users ``add_tenant`` made
-    (``gateway.storage.identities``)."""
+    """sacctmgr operations for QOS tiers, the gateway's Operator level and tenants' accounts."""
 
-    def __init__(self, runner: Runner, *, storage_root: Path, parent_account: str = "finetune",
-                 service_user: str = "sft-gateway", registry: Path = identities.TENANT_USERS):
+    def __init__(self, runner: Runner, *, parent_account: str = "finetune"):
         self.runner = runner
-        self.storage_root = storage_root
         self.parent = validate_tenant_name(parent_account)
-        self.service_user = service_user
-        self.registry = registry
 
     def _sacctmgr(self, *args: str) -> CommandResult:
         res = self.runner.run(["sacctmgr", "--immediate", *args], timeout=60)
@@ -151,15 +121,11 @@ class Admin:
             self._sacctmgr("modify", "user", "where", f"name={user}", "set", "AdminLevel=Operator")
         return True
 
-    def add_tenant(self, name: str, *, shares: int, qos: Sequence[str],
-                   notify: Callable[[str], None] | None = None) -> Tenant:
-        """Onboard (or update) a tenant: unix user/group, Slurm account + user, storage.
+    def check_tenant(self, name: str, *, shares: int, qos: Sequence[str]) -> list[str]:
+        """The validated QOS list for a tenant account, checked before anything is made.
 
-        Raises InvalidNameError for a bad name or QOS before any command runs,
-        SlurmCommandError (with sacctmgr's text) for an unknown QOS, IdentityRefused (before any
-        account or storage exists) when its unix user would be the service user or an account
-        this project did not make (``_ensure_unix_user``). ``notify`` gets notices (an account an
-        earlier version made, recorded now).
+        Raises InvalidNameError for a bad name or QOS, ValueError for no QOS or shares out of
+        range, SlurmCommandError (as sacctmgr would say it) for a QOS the cluster lacks.
         """
         validate_tenant_name(name)
         qos = [validate_qos_name(q) for q in qos]
@@ -171,8 +137,11 @@ class Admin:
         if missing:
             raise SlurmCommandError(["sacctmgr"], 1, f"unknown QOS {sorted(missing)}: "
                                     "apply the QOS policy first (finetune dev-cluster up)")
-        user = unix_user_for(name)
-        uid, gid = self._ensure_unix_user(name, user, tenant_root(self.storage_root, name), notify)
+        return qos
+
+    def ensure_account(self, name: str, *, user: str, shares: int, qos: Sequence[str]) -> None:
+        """Make (or update) account ``name`` under the parent with ``shares`` and ``qos`` (the
+        first is the default), and unix user ``user``'s association in it; ``check_tenant`` first."""
         self.ensure_parent_account()
         settings = [f"Fairshare={shares}", "QOS=" + ",".join(qos), f"DefaultQOS={qos[0]}"]
         if self._show("account", name, "format=Account"):
@@ -181,109 +150,27 @@ class Admin:
             self._sacctmgr("add", "account", name, f"Parent={self.parent}",
                            f"Organization={ORGANIZATION}", "Description=slurm-finetune tenant",
                            *settings)
-        if not self._show("association", "where", f"account={name}", f"user={user}",
+        if not self._show("association", "where", f"account={name}", f"user={_valid_unix_user(user)}",
                           "format=User"):
             self._sacctmgr("add", "user", user, f"Account={name}", f"DefaultAccount={name}")
-        self._ensure_storage(name, uid, gid)
-        return self.get_tenant(name)
 
-    # ------------------------------------------------- tenants' unix users
-    def _reserved_ids(self) -> tuple[set[int], set[int]]:
-        """(uids, gids) no tenant may have: root's and the service user's."""
-        service = _getpw(self.service_user)
-        return {0} | ({service.pw_uid} if service else set()), {0} | ({service.pw_gid} if service else set())
-
-    def _ensure_unix_user(self, name: str, user: str, home: Path,
-                          notify: Callable[[str], None] | None = None) -> tuple[int, int]:
-        """(uid, gid) of tenant ``name``'s unix user ``user``: made (useradd) and recorded in the
-        registry when missing; when it exists, only one the registry holds (idempotent) or, once, one
-        an earlier version made (``identities.legacy_mismatch``: recorded, with a notice). Raises
-        IdentityRefused before anything changes for the service user or any other existing account."""
-        if user == self.service_user:
-            raise IdentityRefused(
-                f"refusing tenant {name!r}: its unix user would be {user}, the gateway's own service user "
-                "(it owns the database and the audit key and may talk to the storage broker), and the "
-                "tenant's jobs and files would run as it. Choose another tenant name.")
-        registry = identities.read(self.registry)
-        uids, gids = self._reserved_ids()
-        pw = _getpw(user)
-        if pw is None:
-            return self._create_unix_user(name, user, home, gids)
-        why = identities.refusal(pw, registry, home=home, group=_group_name(pw.pw_gid), reserved_uids=uids,
-                                 reserved_gids=gids, where=self.registry)
-        if why is not None:
-            raise IdentityRefused(
-                f"refusing tenant {name!r}: {why}. `tenant add` never adopts an account it did not create "
-                "(the tenant's jobs and files would run as it). Choose another tenant name, or remove "
-                f"or rename {user} if nothing uses it.")
-        if user not in registry:
-            identities.record(identities.Entry(user, pw.pw_uid, pw.pw_gid), self.registry)
-            if notify:
-                notify(f"notice: unix user {user} (uid {pw.pw_uid}) was made by an earlier version of "
-                       f"slurm-finetune (home {home}): recorded it in {self.registry}")
-        return pw.pw_uid, pw.pw_gid
-
-    def _create_unix_user(self, name: str, user: str, home: Path, reserved_gids: set[int]) -> tuple[int, int]:
-        """groupadd (unless a group of ours is left from an interrupted run), useradd, record."""
-        try:
-            gr: grp.struct_group | None = grp.getgrnam(user)
-        except KeyError:
-            gr = None
-        if gr is None:
-            self.runner.run(["groupadd", "--system", user]).check()
-        elif gr.gr_mem or gr.gr_gid in reserved_gids or gr.gr_gid <= identities.STATIC_UID_MAX \
-                or any(p.pw_gid == gr.gr_gid for p in pwd.getpwall()):
-            raise IdentityRefused(
-                f"refusing tenant {name!r}: group {user} (gid {gr.gr_gid}) already exists and is in use "
-                "(it has members, is an account's primary group or a reserved gid): `tenant add` never "
-                f"adopts a group it did not create. Choose another tenant name, or remove {user}.")
-        self.runner.run(["useradd", "--system", "--gid", user, "--home-dir", str(home),
-                         "--no-create-home", "--shell", identities.TENANT_SHELL, user]).check()
-        pw = pwd.getpwnam(user)
-        identities.record(identities.Entry(user, pw.pw_uid, pw.pw_gid), self.registry)
-        return pw.pw_uid, pw.pw_gid
-
-    def _ensure_storage(self, name: str, uid: int, gid: int) -> None:
-        from gateway.storage import create_tenant_root
-
-        create_tenant_root(self.storage_root, name, uid, gid)   # tenants/ 0711: not listable
-
-    def list_tenants(self) -> list[Tenant]:
-        """Every tenant: the accounts directly under the parent account (their account rows, not user rows)."""
+    def list_accounts(self) -> list[Account]:
+        """Every tenant account: those directly under the parent account (account rows, not user rows)."""
         rows = self._show("association", "format=Account,User,ParentName,Fairshare,QOS,DefaultQOS")
-        return [self._tenant_from_row(r) for r in rows
-                if len(r) == 6 and r[1] == "" and r[2] == self.parent]
+        return [Account(name=r[0], shares=int(r[3]) if r[3].isdigit() else None,
+                        qos=tuple(q for q in r[4].split(",") if q), default_qos=r[5] or None)
+                for r in rows if len(r) == 6 and r[1] == "" and r[2] == self.parent]
 
-    def get_tenant(self, name: str) -> Tenant:
-        """The tenant ``name``; KeyError when no account of that name is under the parent."""
-        for t in self.list_tenants():
-            if t.name == name:
-                return t
+    def get_account(self, name: str) -> Account:
+        """The tenant account ``name``; KeyError when no account of that name is under the parent."""
+        for a in self.list_accounts():
+            if a.name == name:
+                return a
         raise KeyError(f"no tenant {name!r}")
-
-    def _tenant_from_row(self, row: list[str]) -> Tenant:
-        account, _, _, shares, qos, default_qos = row
-        user = unix_user_for(account)
-        try:
-            pw: pwd.struct_passwd | None = pwd.getpwnam(user)
-        except KeyError:
-            pw = None
-        storage = tenant_root(self.storage_root, account)
-        try:
-            st = storage.stat()
-            storage_ok = pw is not None and st.st_uid == pw.pw_uid and (st.st_mode & 0o777) == 0o700
-        except FileNotFoundError:
-            storage_ok = False
-        return Tenant(
-            name=account, unix_user=user, uid=pw.pw_uid if pw else None,
-            shares=int(shares) if shares.isdigit() else None,
-            qos=tuple(q for q in qos.split(",") if q), default_qos=default_qos or None,
-            storage=storage, storage_ok=storage_ok,
-        )
 
     # ------------------------------------------------------- tenant limits
     def modify_tenant(self, name: str, *, shares: int | None = None,
-                      qos: Sequence[str] | None = None, gpu_limit: int | None = None) -> Tenant:
+                      qos: Sequence[str] | None = None, gpu_limit: int | None = None) -> Account:
         """Change a tenant's Fairshare shares, allowed QOS (the first is the default) or
         GPU limit (``GrpTRES=gres/gpu=N`` on its account; ``-1`` removes the limit).
 
@@ -311,11 +198,11 @@ class Admin:
             settings.append(f"GrpTRES=gres/gpu={gpu_limit}")
         if not settings:
             raise ValueError("nothing to modify: give --shares, --qos or --gpu-limit")
-        self.get_tenant(name)  # KeyError before any change
+        self.get_account(name)  # KeyError before any change
         # The user association inherits QOS and shares from the account (seen on 22.05),
         # so setting them on the account alone keeps that inheritance intact.
         self._sacctmgr("modify", "account", "where", f"name={name}", "set", *settings)
-        return self.get_tenant(name)
+        return self.get_account(name)
 
     def tenant_gpu_limit(self, name: str) -> int | None:
         """The tenant account's GrpTRES GPU limit; None when it has none."""

@@ -329,21 +329,3 @@ def prepare(settings: Settings) -> None:
     for d in (settings.state_dir, settings.storage_root, settings.models_root):
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
 
-
-def onboard(settings: Settings, tenant: str) -> str | None:
-    """On an empty database: tenant ``tenant`` with a member token (its storage is made on first
-    use); returns the token, or None when the database has tenants already (e.g. the demo's)."""
-    from sqlmodel import select
-
-    from gateway.access.tokens import onboarding_token
-    from gateway.db import open_database, session_scope
-    from gateway.models import Tenant
-
-    engine = open_database(settings)
-    try:
-        with session_scope(engine) as s:
-            if s.exec(select(Tenant)).first() is not None:
-                return None
-        return onboarding_token(engine, tenant, name="local")
-    finally:
-        engine.dispose()

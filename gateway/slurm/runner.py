@@ -20,6 +20,9 @@ from typing import Protocol
 from gateway.errors import SlurmError
 
 DEFAULT_TIMEOUT_S = 60.0
+# The one command the storage broker runs as a tenant (gateway.storage.TenantRunner, broker
+# ``submit``): the batch script on stdin, no environment of the gateway's in the job.
+TENANT_SBATCH = ("sbatch", "--parsable", "--export=NONE")
 
 
 # Slurm's own words → what the user can do about them.

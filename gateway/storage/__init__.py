@@ -35,7 +35,8 @@ from gateway.errors import (
     StorageTampered,
     StorageUnavailable,
 )
-from gateway.storage import layout, safefs
+from gateway.slurm.runner import TENANT_SBATCH, CommandResult
+from gateway.storage import launch, layout, safefs
 from gateway.storage.broker import BrokerError, recv_msg, reply_error, run_verb, send_msg
 from gateway.storage.verbs import Reply
 
@@ -109,10 +110,8 @@ class Storage:
 
     def ensure_broker(self) -> None:
         """Start the broker unless one answers (root only); StorageUnavailable when it cannot be started."""
-        from gateway.storage.launch import ensure_broker
-
         try:
-            ensure_broker(self.socket_path, self.service_user)
+            launch.ensure_broker(self.socket_path, self.service_user)
         except RuntimeError as e:
             raise StorageUnavailable(str(e)) from None
 
@@ -289,7 +288,7 @@ class TenantRunner:
     """A Runner (gateway.slurm.runner) that runs exactly one command, ``sbatch --parsable
     --export=NONE`` with the script on stdin, as the tenant through the broker."""
 
-    ARGV = ("sbatch", "--parsable", "--export=NONE")
+    ARGV = TENANT_SBATCH
 
     def __init__(self, store: TenantStorage):
         self.store = store
@@ -298,8 +297,6 @@ class TenantRunner:
             env: Any = None) -> Any:
         """Submit the script ``input`` through the broker as the tenant; a CommandResult.
         Raises ValueError for any argv but ARGV, no script, or an ``env``."""
-        from gateway.slurm.runner import CommandResult
-
         if tuple(argv) != self.ARGV or input is None or env is not None:
             raise ValueError(f"the tenant runner only submits batch scripts, not {argv!r}")
         start = time.monotonic()

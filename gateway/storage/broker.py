@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gateway.slurm.runner import TENANT_SBATCH, LocalRunner  # loaded as root: a child may not read code
 from gateway.storage import identities, layout, safefs
 from gateway.storage.verbs import VERBS, Ctx, Reply, VerbError
 
@@ -61,7 +62,6 @@ CODE_ID = code_id()
 MAX_HEADER = 4 << 20
 MAX_FDS = 4
 REQUEST_TIMEOUT_S = 120.0
-SBATCH = "sbatch"
 # A child lives only as long as the gateway waits for it (the request's ``deadline_s``, at most
 # MAX_DEADLINE_S; DEFAULT_DEADLINE_S when it names none) plus REPLY_GRACE_S, and never stopped:
 # the parent (root, out of the tenant's reach) kills it then (``Children``).
@@ -200,8 +200,8 @@ def open_tenant_root(storage_root: Path, tenant: str, *, create: bool = False) -
     top = os.open(str(storage_root), walk)
     try:
         if create:
-            os.makedirs(storage_root / "tenants", mode=0o711, exist_ok=True)
-        tenants = os.open("tenants", walk, dir_fd=top)
+            os.makedirs(storage_root / layout.TENANTS, mode=0o711, exist_ok=True)
+        tenants = os.open(layout.TENANTS, walk, dir_fd=top)
     finally:
         os.close(top)
     try:
@@ -232,8 +232,6 @@ def run_verb(storage_root: Path, tenant: str, unix_user: str | None, verb: str, 
 def _submit(storage_root: Path, tenant: str, args: dict[str, Any]) -> Reply:
     """sbatch as the tenant (already switched), from a clean environment, ``--export=NONE``:
     the job gets only what its script sets, never the gateway's variables or secrets."""
-    from gateway.slurm.runner import LocalRunner
-
     script = args.get("script")
     if not isinstance(script, str) or len(script) > 1 << 20:
         raise VerbError("invalid batch script")
@@ -243,7 +241,7 @@ def _submit(storage_root: Path, tenant: str, args: dict[str, Any]) -> Reply:
     if os.environ.get("SLURM_CONF"):
         env["SLURM_CONF"] = os.environ["SLURM_CONF"]
     os.chdir(root)
-    res = LocalRunner().run([SBATCH, "--parsable", "--export=NONE"], input=script, env=env,
+    res = LocalRunner().run(list(TENANT_SBATCH), input=script, env=env,
                             timeout=float(args.get("timeout", 60)))
     return Reply({"returncode": res.returncode, "stdout": res.stdout[-65536:], "stderr": res.stderr[-65536:]})
 
@@ -393,7 +391,6 @@ def serve(socket_path: Path, allowed_uids: set[int]) -> None:
     service_uid = max(allowed_uids - {0}, default=0)
     os.chown(socket_path, service_uid, -1)
     srv.listen(128)
-    import gateway.slurm.runner  # noqa: F401 - imported while root: children may not read the code after the drop
     wake_r, wake_w = os.pipe()                        # SIGCHLD (a child ended or stopped) wakes the loop
     for fd in (wake_r, wake_w):
         os.set_blocking(fd, False)

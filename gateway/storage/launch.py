@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from gateway.config import Settings
+from gateway.storage.broker import CODE_ID, recv_msg, send_msg
 
 LOG = Path("/var/log/slurm-finetune/broker.log")
 
@@ -36,8 +37,6 @@ def answers(path: Path) -> bool:
 def running_code(path: Path) -> tuple[str | None, int | None]:
     """(code id, pid) of the broker answering at ``path`` (``broker.code_id``); (None, None) when
     it does not say (one from before the handshake existed, or no answer)."""
-    from gateway.storage.broker import recv_msg, send_msg
-
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.settimeout(5)
@@ -92,8 +91,6 @@ def ensure_broker(socket_path: Path, service_user: str | None, wait_s: float = 1
     """Start ``python -m gateway.storage.broker`` (root only) unless one running this code listens
     already; one running other code (the package was upgraded since it started) is replaced."""
     if answers(socket_path):
-        from gateway.storage.broker import CODE_ID
-
         if os.geteuid() != 0 or running_code(socket_path)[0] == CODE_ID:
             return
         print(f"storage broker at {socket_path} runs other code than this gateway (upgraded since it "

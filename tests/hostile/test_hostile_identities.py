@@ -22,9 +22,9 @@ from gateway.config import Settings
 from gateway.errors import ServiceError
 from gateway.models import new_id
 from gateway.slurm import LocalRunner
-from gateway.slurm.admin import Admin
 from gateway.storage import Storage, identities, layout
 from gateway.storage.broker import recv_msg, send_msg
+from gateway.storage.onboarding import TenantAdmin
 from tests.hostile.conftest import ATTACKER, STORAGE, uid_of
 from tests.slurm.livegateway import LiveGateway
 
@@ -139,7 +139,7 @@ def test_onboarded_tenants_are_recorded_and_served(gw: LiveGateway) -> None:
     reply = broker_request(ATTACKER, "read_spec", job_id="ftjob-" + "0" * 24)
     assert reply["ok"] is True and reply["result"] == {"found": False}
     notices: list[str] = []                                  # onboarding again: idempotent, no notice
-    t = Admin(LocalRunner(), storage_root=STORAGE).add_tenant(ATTACKER, shares=5, qos=["ft-small", "ft-standard"],
+    t = TenantAdmin(LocalRunner(), storage_root=STORAGE).add_tenant(ATTACKER, shares=5, qos=["ft-small", "ft-standard"],
                                                               notify=notices.append)
     assert t.uid == pw.pw_uid and t.storage_ok and notices == []
 

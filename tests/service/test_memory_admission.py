@@ -23,11 +23,11 @@ def gw_gpu(settings: Settings, tiny_catalog: Path) -> Iterator[Gateway]:
     import os
 
     from gateway.slurm import LocalRunner
-    from gateway.slurm.admin import Admin
+    from gateway.storage.onboarding import TenantAdmin
 
     if os.geteuid() != 0:
         pytest.skip("onboarding a Slurm tenant needs root")
-    Admin(LocalRunner(), storage_root=settings.storage_root).add_tenant(TENANT_A, shares=5,
+    TenantAdmin(LocalRunner(), storage_root=settings.storage_root).add_tenant(TENANT_A, shares=5,
                                                                         qos=["ft-small", "ft-large"])
     g = Gateway(settings.model_copy(update={"default_model": "tiny-chat", "catalog_root": tiny_catalog,
                                             "gpu_memory_gib": {"default": 1.0}}))

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from gateway.slurm import JobScript, LocalRunner, SlurmClient
-from gateway.slurm.admin import Admin, unix_user_for
 from gateway.slurm.client import JobStatus
+from gateway.storage.layout import unix_user_for
+from gateway.storage.onboarding import TenantAdmin
 
 STORAGE = Path(os.environ.get("SFT_STORAGE_ROOT", "/srv/slurm-finetune"))
 TENANT_A, TENANT_B = "t-alpha", "t-bravo"
@@ -37,12 +38,12 @@ def cluster() -> None:
 
 
 @pytest.fixture(scope="session")
-def admin(cluster: None) -> Admin:
-    return Admin(LocalRunner(), storage_root=STORAGE)
+def admin(cluster: None) -> TenantAdmin:
+    return TenantAdmin(LocalRunner(), storage_root=STORAGE)
 
 
 @pytest.fixture(scope="session")
-def tenants(admin: Admin) -> tuple[str, str]:
+def tenants(admin: TenantAdmin) -> tuple[str, str]:
     admin.add_tenant(TENANT_A, shares=10, qos=["ft-standard", "ft-small"])
     admin.add_tenant(TENANT_B, shares=10, qos=["ft-standard", "ft-small"])
     return TENANT_A, TENANT_B

@@ -22,7 +22,7 @@ from gateway.db import make_engine, migrate
 from gateway.models import Role
 from gateway.services.tenants import ensure_tenant
 from gateway.slurm import LocalRunner
-from gateway.slurm.admin import Admin
+from gateway.storage.onboarding import TenantAdmin
 
 ROOT = Path(__file__).resolve().parents[2]
 STORAGE = Path("/srv/slurm-finetune")
@@ -71,7 +71,7 @@ class LiveGateway:
                     "SFT_AUDIT_KEY_FILE": str(self.db_dir / "audit.key"),   # one anchor per test database
                     "SFT_CANCEL_DEADLINE_S": "10", "SFT_CREDENTIALS_FILE": str(workdir / "cred.json"),
                     **env}
-        admin = Admin(LocalRunner(), storage_root=STORAGE)
+        admin = TenantAdmin(LocalRunner(), storage_root=STORAGE)
         engine = make_engine(self.db_url)
         migrate(engine)
         from gateway.access import audit

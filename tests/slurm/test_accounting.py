@@ -19,8 +19,8 @@ import gateway.cli
 from accounting.usage import usage_report
 from accounting.window import Window
 from gateway.slurm import LocalRunner, SlurmClient, SlurmCommandError
-from gateway.slurm.admin import Admin
 from gateway.slurm.policy import parse_policy
+from gateway.storage.onboarding import TenantAdmin
 from tests.slurm.conftest import accounting, finished, submit, wait_for
 
 pytestmark = pytest.mark.slurm
@@ -29,7 +29,7 @@ PNG_COPY = Path("/tmp/slurm-finetune-accounting-usage.png")  # kept for a human 
 
 
 @pytest.fixture(scope="module")
-def acct_tenants(admin: Admin) -> tuple[str, str]:
+def acct_tenants(admin: TenantAdmin) -> tuple[str, str]:
     for t in (A, B):
         admin.add_tenant(t, shares=10, qos=["ft-standard", "ft-small"])
     return A, B
@@ -95,7 +95,7 @@ def test_cli_table_csv_json_and_png(ran: dict, tmp_path: Path) -> None:  # type:
     assert shares[A]["entitled_share"] == 0.5 and 0 < fs["jain_index"] <= 1
 
 
-def test_tenant_gpu_limit_refuses_a_job_over_it(acct_tenants: tuple[str, str], admin: Admin) -> None:
+def test_tenant_gpu_limit_refuses_a_job_over_it(acct_tenants: tuple[str, str], admin: TenantAdmin) -> None:
     client = SlurmClient(LocalRunner())
     admin.modify_tenant(B, gpu_limit=1)
     try:
@@ -110,7 +110,7 @@ def test_tenant_gpu_limit_refuses_a_job_over_it(acct_tenants: tuple[str, str], a
 QOS = "t-acct-qos"  # a QOS used by nobody, removed at the end
 
 
-def test_qos_apply_changes_only_the_difference(admin: Admin) -> None:
+def test_qos_apply_changes_only_the_difference(admin: TenantAdmin) -> None:
     toml = (f'[qos.{QOS}]\ndescription = "accounting test"\npriority = 1\nmax_gpus_per_user = 1\n'
             'max_wall = 60\nmax_jobs_per_user = 1\nmax_submit_jobs_per_user = 2\n')
     runner = LocalRunner()

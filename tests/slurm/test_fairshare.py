@@ -7,7 +7,7 @@ import time
 import pytest
 
 from gateway.slurm import SlurmClient
-from gateway.slurm.admin import unix_user_for
+from gateway.storage.layout import unix_user_for
 from tests.slurm.conftest import finished, submit, wait_for
 
 pytestmark = pytest.mark.slurm

@@ -17,9 +17,10 @@ from collections.abc import Iterator, Mapping, Sequence
 import pytest
 
 from gateway.slurm import LocalRunner, SlurmClient
-from gateway.slurm.admin import Admin, unix_user_for
 from gateway.slurm.records import Owner
 from gateway.slurm.runner import CommandResult
+from gateway.storage.layout import unix_user_for
+from gateway.storage.onboarding import TenantAdmin
 from tests.slurm.conftest import submit, wait_for
 
 pytestmark = pytest.mark.slurm
@@ -58,7 +59,7 @@ def _private_data() -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def gateway_operator(admin: Admin) -> str:
+def gateway_operator(admin: TenantAdmin) -> str:
     try:
         pwd.getpwnam(GATEWAY)
     except KeyError:
@@ -72,7 +73,7 @@ def gateway_operator(admin: Admin) -> str:
 
 
 @pytest.fixture(scope="module")
-def tenants(admin: Admin) -> tuple[str, str]:
+def tenants(admin: TenantAdmin) -> tuple[str, str]:
     for t in (TENANT_A, TENANT_B):
         admin.add_tenant(t, shares=10, qos=["ft-small"])
     return TENANT_A, TENANT_B

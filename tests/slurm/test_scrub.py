@@ -27,7 +27,8 @@ from click.testing import CliRunner
 from gateway.cli import main as cli
 from gateway.devcluster.cluster import DevClusterConfig, short_hostname
 from gateway.slurm import SlurmClient
-from gateway.slurm.admin import Admin, unix_user_for
+from gateway.storage.layout import unix_user_for
+from gateway.storage.onboarding import TenantAdmin
 from tests.slurm.conftest import finished, job_dir, wait_for, wait_output
 
 pytestmark = pytest.mark.slurm
@@ -42,7 +43,7 @@ TRACE_DIRS = (Path("/tmp"), Path("/dev/shm"), DEV.scratch_root, DEV.job_tmp_root
 
 # ----------------------------------------------------------------------- helpers
 @pytest.fixture(scope="module")
-def scrub_tenants(admin: Admin) -> tuple[str, str]:
+def scrub_tenants(admin: TenantAdmin) -> tuple[str, str]:
     for t in (TENANT_A, TENANT_B):
         admin.add_tenant(t, shares=5, qos=["ft-standard", "ft-small"])
     return TENANT_A, TENANT_B

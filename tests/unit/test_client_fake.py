@@ -130,10 +130,10 @@ def test_tenant_add_refuses_bad_name_before_any_command(fake: FakeSlurm, name: s
                                                         tmp_path: object) -> None:
     from pathlib import Path
 
-    from gateway.slurm.admin import Admin
+    from gateway.storage.onboarding import TenantAdmin
 
     with pytest.raises(InvalidNameError, match="invalid tenant name"):
-        Admin(fake, storage_root=Path(str(tmp_path))).add_tenant(name, shares=1, qos=["ft-small"])
+        TenantAdmin(fake, storage_root=Path(str(tmp_path))).add_tenant(name, shares=1, qos=["ft-small"])
     assert fake.calls == []
 
 

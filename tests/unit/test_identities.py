@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from gateway.slurm import admin as admin_mod
-from gateway.slurm.admin import Admin, IdentityRefused
 from gateway.slurm.runner import CommandResult
 from gateway.storage import broker, identities
+from gateway.storage import onboarding as admin_mod
 from gateway.storage.identities import Entry
+from gateway.storage.onboarding import IdentityRefused, TenantAdmin
 
 ME = os.geteuid()
 STORAGE = Path("/srv/sft-unit")
@@ -182,7 +182,7 @@ class Accounts:
 
 
 @pytest.fixture
-def host(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[Accounts, Admin]:
+def host(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[Accounts, TenantAdmin]:
     acc = Accounts()
     monkeypatch.setattr(admin_mod, "pwd", acc.pwd)
     monkeypatch.setattr(admin_mod, "grp", acc.grp)
@@ -190,15 +190,15 @@ def host(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[Accounts, Adm
     real_read, real_record = identities.read, identities.record
     monkeypatch.setattr(identities, "read", lambda path=reg: real_read(path, owner=ME))
     monkeypatch.setattr(identities, "record", lambda e, path=reg: real_record(e, path, owner=ME))
-    return acc, Admin(acc, storage_root=STORAGE, registry=reg)  # type: ignore[arg-type]
+    return acc, TenantAdmin(acc, storage_root=STORAGE, registry=reg)  # type: ignore[arg-type]
 
 
-def ensure(adm: Admin, name: str, notices: list[str] | None = None) -> tuple[int, int]:
+def ensure(adm: TenantAdmin, name: str, notices: list[str] | None = None) -> tuple[int, int]:
     return adm._ensure_unix_user(name, f"sft-{name}", STORAGE / "tenants" / name,
                                  notices.append if notices is not None else None)
 
 
-def test_tenant_add_gateway_is_refused_before_any_command(host: tuple[Accounts, Admin]) -> None:
+def test_tenant_add_gateway_is_refused_before_any_command(host: tuple[Accounts, TenantAdmin]) -> None:
     acc, adm = host
     with pytest.raises(IdentityRefused, match="sft-gateway, the gateway's own service user") as e:
         adm.add_tenant("gateway", shares=1, qos=["ft-small"])
@@ -207,7 +207,7 @@ def test_tenant_add_gateway_is_refused_before_any_command(host: tuple[Accounts, 
     assert identities.read() == {}
 
 
-def test_a_new_tenant_user_is_made_and_recorded_and_again_changes_nothing(host: tuple[Accounts, Admin]) -> None:
+def test_a_new_tenant_user_is_made_and_recorded_and_again_changes_nothing(host: tuple[Accounts, TenantAdmin]) -> None:
     acc, adm = host
     uid, gid = ensure(adm, "acme")
     assert [c[0] for c in acc.calls] == ["groupadd", "useradd"]
@@ -217,7 +217,7 @@ def test_a_new_tenant_user_is_made_and_recorded_and_again_changes_nothing(host: 
     assert acc.calls == []
 
 
-def test_an_existing_account_we_did_not_make_is_refused(host: tuple[Accounts, Admin]) -> None:
+def test_an_existing_account_we_did_not_make_is_refused(host: tuple[Accounts, TenantAdmin]) -> None:
     acc, adm = host
     acc.users["sft-collide"] = account("sft-collide", 970, home="/home/sft-collide", login_shell="/bin/sh")
     with pytest.raises(IdentityRefused, match="sft-collide .* exists but slurm-finetune did not make "
@@ -227,7 +227,7 @@ def test_an_existing_account_we_did_not_make_is_refused(host: tuple[Accounts, Ad
     assert acc.calls == [] and identities.read() == {}
 
 
-def test_an_account_with_the_service_users_uid_is_refused(host: tuple[Accounts, Admin]) -> None:
+def test_an_account_with_the_service_users_uid_is_refused(host: tuple[Accounts, TenantAdmin]) -> None:
     acc, adm = host
     acc.users["sft-alias"] = account("sft-alias", 999, 995)          # an alias of sft-gateway
     with pytest.raises(IdentityRefused, match="service identity"):
@@ -237,7 +237,7 @@ def test_an_account_with_the_service_users_uid_is_refused(host: tuple[Accounts, 
         ensure(adm, "alias")
 
 
-def test_a_legacy_account_is_recorded_with_a_notice(host: tuple[Accounts, Admin]) -> None:
+def test_a_legacy_account_is_recorded_with_a_notice(host: tuple[Accounts, TenantAdmin]) -> None:
     acc, adm = host
     acc.groups["sft-old"] = grp.struct_group(("sft-old", "x", 960, []))
     acc.users["sft-old"] = account("sft-old", 960)
@@ -248,7 +248,7 @@ def test_a_legacy_account_is_recorded_with_a_notice(host: tuple[Accounts, Admin]
     assert ensure(adm, "old", notices) == (960, 960) and len(notices) == 1      # recorded: no notice again
 
 
-def test_a_recorded_account_that_was_replaced_is_refused(host: tuple[Accounts, Admin]) -> None:
+def test_a_recorded_account_that_was_replaced_is_refused(host: tuple[Accounts, TenantAdmin]) -> None:
     acc, adm = host
     ensure(adm, "acme")
     acc.users["sft-acme"] = account("sft-acme", 977)
@@ -256,7 +256,7 @@ def test_a_recorded_account_that_was_replaced_is_refused(host: tuple[Accounts, A
         ensure(adm, "acme")
 
 
-def test_a_group_in_use_is_not_adopted(host: tuple[Accounts, Admin]) -> None:
+def test_a_group_in_use_is_not_adopted(host: tuple[Accounts, TenantAdmin]) -> None:
     acc, adm = host
     acc.groups["sft-busy"] = grp.struct_group(("sft-busy", "x", 950, ["alice"]))
     with pytest.raises(IdentityRefused, match="group sft-busy"):
