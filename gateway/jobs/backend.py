@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from sqlalchemy.engine import Engine
 
 from gateway.access.audit import open_database
 from gateway.config import Settings
-from gateway.errors import SlurmError
 from gateway.jobs.reconciler import Reconciler
 from gateway.jobs.submission import Submitter
 from gateway.slurm import SlurmClient, make_runner
+from gateway.slurm.local import LocalScheduler
 from gateway.slurm.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -35,23 +34,13 @@ class Backend:
     reconciler: Reconciler | None
 
 
-def slurm_available(runner: Any) -> bool:
-    """Whether Slurm answers (``scontrol ping``) through this runner."""
-    try:
-        return bool(runner.run(["scontrol", "ping"], timeout=10).returncode == 0)
-    except SlurmError:
-        return False
-
-
 def scheduler_for(settings: Settings) -> Scheduler | None:
     """The scheduler jobs go to: the local one (local mode), the Slurm client when Slurm
     answers, else None."""
     if settings.local:
-        from gateway.slurm.local import LocalScheduler
-
         return LocalScheduler(settings)
-    runner = make_runner(settings)
-    return SlurmClient(runner, timeout=settings.slurm_timeout_s) if slurm_available(runner) else None
+    client = SlurmClient(make_runner(settings), timeout=settings.slurm_timeout_s)
+    return client if client.ping() else None
 
 
 def build_backend(settings: Settings, *, scheduler: Scheduler | None = None,

@@ -32,17 +32,15 @@ class ExpectedStarts:
     def refresh(self, s: Session, jobs: list[FineTuningJob], states: dict[int, JobStatus]) -> None:
         """Keep each queued job's expected start as Slurm plans it (``squeue --start``: ONE call, only when
         some job is pending, at most every START_REFRESH_S); written only when it moved by a minute or more."""
-        from gateway.slurm.client import SlurmClient
-
         pending = [j for j in jobs if j.status == JobState.QUEUED.value and j.slurm_job_id
                    and states.get(j.slurm_job_id) is not None and states[j.slurm_job_id].state == SlurmState.PENDING]
-        if not pending or not isinstance(self.client, SlurmClient) or time.monotonic() < self._next:
+        if not pending or time.monotonic() < self._next:
             return
         self._next = time.monotonic() + START_REFRESH_S
         try:
             starts = self.client.pending_starts([j.slurm_job_id for j in pending if j.slurm_job_id])
         except SlurmError as e:
-            log.info("squeue --start failed: %s", e)
+            log.info("expected starts unreadable: %s", e)
             return
         for job in pending:
             new = starts.get(job.slurm_job_id) if job.slurm_job_id else None

@@ -61,14 +61,15 @@ def recover_submissions(s: Session, *, settings: Settings, client: Scheduler, st
     owners = {j.id: owner(tenants[j.tenant_id].name) for j in lost}
     # only the tenant's own jobs under the job's name, submitted since the job was recorded
     found = client.find_by_name(owners, since=min(j.created_at for j in lost))
-    _drop_unnamed_tasks(client, {j.sweep_id: owners[j.id] for j in lost if j.sweep_id})
+    # a sweep's array tasks never named after their job: held, they never ran; their jobs are submitted again
+    client.cancel_unnamed_tasks({j.sweep_id: owners[j.id] for j in lost if j.sweep_id})
     for job in lost:
         tenant = tenants[job.tenant_id]
         try:
             if job.id in found:
                 apply_event(s, job, Event.SUBMITTED, message=f"Recovered: Slurm job {found[job.id]} "
                             "was submitted before the gateway restarted", slurm_job_id=found[job.id])
-                if job.sweep_id:
+                if job.sweep_id and not settings.local:     # local mode runs a sweep job by job: no hold
                     _release_adopted(client, found[job.id], owners[job.id])
             elif submitter is not None and (spec := resubmittable_spec(
                     session=s, settings=settings, storage=storage, job=job, tenant=tenant)) is not None:
@@ -84,27 +85,9 @@ def recover_submissions(s: Session, *, settings: Settings, client: Scheduler, st
             s.rollback()
 
 
-def _drop_unnamed_tasks(client: Scheduler, sweeps: dict[str, Owner]) -> None:
-    """Cancel the tasks of interrupted sweeps' arrays that were never named after their job (the
-    gateway died between sbatch and naming them): held, they never ran, and their jobs are
-    submitted again one by one. Tasks already named are adopted like any job."""
-    from gateway.slurm.client import SlurmClient
-
-    if not sweeps or not isinstance(client, SlurmClient):
-        return
-    for sweep_id, array_id in client.find_by_name(sweeps).items():
-        for task, q in client.array_tasks(array_id, owner=sweeps[sweep_id], name=sweep_id).items():
-            log.warning("sweep %s: cancelling task %d of array %d (never named: its job is "
-                        "submitted again)", sweep_id, task, array_id)
-            client.cancel_task(q, owner=sweeps[sweep_id])
-
-
 def _release_adopted(client: Scheduler, slurm_id: int, owner: Owner) -> None:
     """Release an adopted sweep task: the gateway may have died before it released the hold."""
-    from gateway.slurm.client import SlurmClient
-
-    if isinstance(client, SlurmClient):
-        try:
-            client.release(slurm_id, owner=owner)
-        except SlurmError as e:       # not held (already released, or running)
-            log.info("Slurm job %d: nothing to release (%s)", slurm_id, e)
+    try:
+        client.release(slurm_id, owner=owner)
+    except SlurmError as e:       # not held (already released, or running)
+        log.info("Slurm job %d: nothing to release (%s)", slurm_id, e)

@@ -13,7 +13,7 @@ from gateway.errors import ServiceError
 from gateway.models import FineTuningJob
 from gateway.services import jobcreate
 from gateway.slurm.admin import Admin
-from gateway.slurm.records import Owner
+from gateway.slurm.local import QOS as LOCAL_QOS
 from gateway.slurm.render import JobScript
 from gateway.slurm.scheduler import Scheduler
 from gateway.storage import TenantRunner, storage_for
@@ -60,9 +60,7 @@ class Submitter:
         """The QOS tiers the tenant's account may use (cached ``qos_ttl_s``); local mode's one ``local``.
         Raises KeyError for a tenant without a Slurm account."""
         if self.settings.local:
-            from gateway.slurm.local import QOS
-
-            return (QOS,)
+            return (LOCAL_QOS,)
         with self._lock:
             hit = self._qos.get(tenant)
             if hit and time.monotonic() - hit[0] < self.qos_ttl_s:
@@ -110,41 +108,22 @@ class Submitter:
         sbatch the whole array is cancelled before the error is raised: no task runs unrecorded.
         A gateway that dies between sbatch and naming leaves a held array named ``name`` behind
         (nothing runs); the reconciler resubmits those jobs one by one."""
-        from gateway.slurm.client import SlurmClient
-        from gateway.slurm.runner import SlurmCommandError
-
-        client = self.client
-        if not isinstance(client, SlurmClient):
+        if self.settings.local:       # refused before a script is written (LocalScheduler refuses too)
             raise ServiceError("job arrays need Slurm: submit the jobs one by one", code="no_backend")
         qos = self.qos_for(tenant, max(j.time_limit_min or 60 for j in jobs), max(j.gpus for j in jobs))
         scripts = [self._script(job, spec, tenant, qos) for job, spec in zip(jobs, specs, strict=True)]
         runner = None if self.settings.ssh_host else TenantRunner(storage_for(self.settings).tenant(tenant))
-        owner = Owner(unix_user_for(tenant), tenant)
-        array_id = client.submit_array(scripts, name=name, user=owner.user, runner=runner)   # confirmed ours
-        try:
-            for task, job in enumerate(jobs):
-                client.name_task(array_id, task, job.id)
-            tasks = client.array_tasks(array_id, owner=owner)
-            if sorted(tasks) != list(range(len(jobs))):
-                raise SlurmCommandError(["squeue", "--array", f"--jobs={array_id}"], 0,
-                                        f"array {array_id} shows tasks {sorted(tasks)}, not 0-{len(jobs) - 1}")
-            ids = [tasks[task].job_id for task in range(len(jobs))]
-            for task in range(len(jobs)):
-                client.release_task(array_id, task)
-        except BaseException:
-            client.cancel_array(array_id, owner=owner)
-            raise
+        array_id, ids = self.client.submit_named_array(scripts, name=name, task_names=[job.id for job in jobs],
+                                                       user=unix_user_for(tenant), runner=runner)
         return array_id, ids, qos
 
     def expected_start(self, job: FineTuningJob, spec: dict[str, Any], tenant: str) -> StartEstimate:
         """When ``job`` (not submitted) would start, and why not now: the QOS tier's per-user GPU
         limit first (``sbatch --test-only`` ignores QOS limits), then Slurm's own plan
         (``--test-only``, as the tenant: resources and priority). Local mode: now."""
-        from gateway.slurm.client import SlurmClient
-
         qos = self.qos_for(tenant, job.time_limit_min or 60, job.gpus)
         client = self.client
-        if self.settings.local or not isinstance(client, SlurmClient):
+        if self.settings.local:
             return StartEstimate(qos, datetime.now(UTC), None, None)      # local mode: no queue
         admin = Admin(client.runner, parent_account=self.settings.parent_account)
         cap = next((q.max_gpus_per_user for q in admin.show_qos() if q.name == qos), None)

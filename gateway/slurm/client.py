@@ -165,6 +165,31 @@ class SlurmClient:
         claimed = self._sbatch(render_array(jobs, name=name), user=user, group=group, runner=runner)
         return self._confirm(claimed, name, rec.Owner(user, jobs[0].account), since, array=True)
 
+    def submit_named_array(self, jobs: Sequence[JobScript], *, name: str, task_names: Sequence[str],
+                           user: str | None = None, runner: Runner | None = None) -> tuple[int, list[int]]:
+        """Submit ``jobs`` as ONE held job array named ``name`` (``submit_array``), name task ``i``
+        ``task_names[i]`` (which gives it a job id of its own), check that Slurm shows every task, then
+        release them; returns (array id, each task's job id). On any failure after sbatch the whole
+        array is cancelled before the error is raised: no task runs unrecorded. A caller that dies
+        between sbatch and naming leaves a held array named ``name`` behind (nothing runs):
+        ``cancel_unnamed_tasks`` finds it."""
+        owner = rec.Owner(user, jobs[0].account)
+        array_id = self.submit_array(jobs, name=name, user=user, runner=runner)   # confirmed ours
+        try:
+            for task, task_name in enumerate(task_names):
+                self.name_task(array_id, task, task_name)
+            tasks = self.array_tasks(array_id, owner=owner)
+            if sorted(tasks) != list(range(len(jobs))):
+                raise SlurmCommandError(["squeue", "--array", f"--jobs={array_id}"], 0,
+                                        f"array {array_id} shows tasks {sorted(tasks)}, not 0-{len(jobs) - 1}")
+            ids = [tasks[task].job_id for task in range(len(jobs))]
+            for task in range(len(jobs)):
+                self.release_task(array_id, task)
+        except BaseException:
+            self.cancel_array(array_id, owner=owner)
+            raise
+        return array_id, ids
+
     def _sbatch(self, script: str, *, user: str | None, group: str | None, runner: Runner | None) -> int:
         argv = ["sbatch", "--parsable", "--export=NONE"]
         if user is not None and runner is None:
@@ -220,7 +245,7 @@ class SlurmClient:
     def pause(self, job_id: int, *, owner: rec.Owner) -> str | None:
         """Hold ``job_id`` (an operator hold: its owner cannot release it) and, if it runs, send its
         batch script SIGUSR1, the "checkpoint and requeue" signal: the trainer checkpoints after the
-        step it is in, exits 75, the script requeues the job and the hold keeps it pending. Returns
+        step it is in, exits REQUEUE, the script requeues the job and the hold keeps it pending. Returns
         the Slurm state it found; None when the job is already gone. Idempotent. NotOurs when the
         job is not ``owner``'s."""
         status = self.states([job_id])[job_id]
@@ -297,7 +322,27 @@ class SlurmClient:
         if owner.problem(task.user, task.account) is None:
             self._scancel(owner, task.control_id)
 
+    def cancel_unnamed_tasks(self, arrays: Mapping[str, rec.Owner]) -> list[tuple[str, int, int]]:
+        """Cancel the tasks of the arrays named as ``arrays``' keys (each among its owner's jobs) that
+        still carry the array's name: never named after their job (``submit_named_array`` was cut
+        short), they were held and never ran. Returns (array name, task, array id) of each."""
+        cancelled: list[tuple[str, int, int]] = []
+        for name, array_id in (self.find_by_name(arrays) if arrays else {}).items():
+            for task, q in self.array_tasks(array_id, owner=arrays[name], name=name).items():
+                log.warning("array %s: cancelling task %d of array %d (never named after its job)",
+                            name, task, array_id)
+                self.cancel_task(q, owner=arrays[name])
+                cancelled.append((name, task, array_id))
+        return cancelled
+
     # -------------------------------------------------------------- reads
+    def ping(self, timeout: float = 10.0) -> bool:
+        """Whether slurmctld answers (``scontrol ping``) through this client's runner."""
+        try:
+            return self.runner.run(["scontrol", "ping"], timeout=timeout).returncode == 0
+        except SlurmError:
+            return False
+
     def _queue_where(self, selection: Sequence[str]) -> rec.Rows[rec.QueueRecord]:
         """squeue records matching ``selection`` (squeue options) in ONE call; none when Slurm knows
         none of the ids asked for."""

@@ -29,13 +29,13 @@ import os
 import pwd
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from gateway.config import Settings
-from gateway.errors import SlurmError
+from gateway.errors import ServiceError, SlurmError
 from gateway.slurm import records as rec
 from gateway.slurm.client import CancelResult, JobStatus
 from gateway.slurm.render import JobScript
@@ -137,7 +137,7 @@ class LocalScheduler:
         """Start ``job`` now (no queue: local jobs run at once). Returns its id."""
         import shlex
 
-        import submitit
+        import submitit  # lazy: only local mode starts jobs with it; a cluster gateway never loads it
 
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         jid = self._next_id()
@@ -159,6 +159,12 @@ class LocalScheduler:
         _write_atomic(folder / "pid", str(started.job_id))
         self._jobs[jid] = started
         return jid
+
+    def submit_named_array(self, jobs: Sequence[JobScript], *, name: str, task_names: Sequence[str],
+                           user: str | None = None, runner: Any = None) -> tuple[int, list[int]]:
+        """Always raises ServiceError (``no_backend``): local mode has no job arrays (a sweep's runs are
+        submitted one by one)."""
+        raise ServiceError("job arrays need Slurm: submit the jobs one by one", code="no_backend")
 
     def _next_id(self) -> int:
         with open(self.root / "next_id", "a+") as f:
@@ -223,6 +229,22 @@ class LocalScheduler:
             if meta.get("name") in wanted and folder.name.isdigit():
                 found[str(meta["name"])] = int(folder.name)
         return found
+
+    def cancel_unnamed_tasks(self, arrays: Mapping[str, rec.Owner]) -> list[tuple[str, int, int]]:
+        """Always []: local mode has no job arrays."""
+        return []
+
+    def pending_starts(self, job_ids: Iterable[int]) -> dict[int, datetime | None]:
+        """Always {}: local jobs start at once, none is pending."""
+        return {}
+
+    def test_only(self, job: JobScript, *, runner: Any = None) -> tuple[datetime | None, str | None]:
+        """Now, on this machine: local jobs start at once."""
+        return _now(), NODE
+
+    def running_gpus(self, account: str) -> list[tuple[int, str, int, datetime | None]]:
+        """Always []: local mode has no QOS limits to count GPUs against."""
+        return []
 
     def drained_nodes(self) -> list[rec.DrainedNode]:
         """Always []: local mode has no nodes to drain."""
@@ -328,4 +350,3 @@ def prepare(settings: Settings) -> None:
     check_not_root()
     for d in (settings.state_dir, settings.storage_root, settings.models_root):
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
-

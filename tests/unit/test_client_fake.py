@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from gateway.config import Settings
+from gateway.errors import ServiceError
 from gateway.slurm import JobScript, SlurmClient, SlurmCommandError
 from gateway.slurm.client import NotOurs
+from gateway.slurm.local import LocalScheduler
 from gateway.slurm.records import Owner
 from gateway.slurm.validate import InvalidNameError
 from tests.slurmfake import FakeSlurm
@@ -229,3 +234,71 @@ def test_a_duplicate_record_makes_that_job_invalid_and_no_other(fake: FakeSlurm)
     st = client.states([a, b])
     assert st[a].source == "invalid" and st[a].active and st[a].owner_problem(ACME)
     assert st[b].source == "squeue" and st[b].owner_problem(ACME) is None
+
+
+# ------------------------------------------------------------------ arrays (the Scheduler protocol's)
+def task_scripts(n: int, account: str = "acme") -> list[JobScript]:
+    """``n`` array tasks as a sweep makes them: sibling job dirs named after their jobs."""
+    return [JobScript(f"ftjob-{i}", account, "ft-standard", f"/srv/t/jobs/ftjob-{i}", ("/bin/true",))
+            for i in range(n)]
+
+
+def test_a_named_array_is_submitted_held_each_task_named_then_released(fake: FakeSlurm) -> None:
+    client = SlurmClient(fake)
+    array, ids = client.submit_named_array(task_scripts(3), name="ftsweep-1", task_names=["a", "b", "c"],
+                                           user="sft-acme")
+    tasks = sorted((j for j in fake.jobs.values() if j.array_id == array), key=lambda j: j.task or 0)
+    assert [j.name for j in tasks] == ["a", "b", "c"] and not any(j.held for j in tasks)
+    assert ids == [j.job_id for j in tasks] and len(set(ids)) == 3
+    assert [c[:2] for c in fake.calls if c[0] == "scontrol"] == [("scontrol", "update")] * 3 + \
+        [("scontrol", "release")] * 3          # every task named before any is released
+    assert fake.count("sbatch") == 1
+
+
+def test_a_failure_after_sbatch_cancels_the_whole_array_before_raising(fake: FakeSlurm) -> None:
+    client = SlurmClient(fake)
+    fake.fail_next["scontrol"] = (1, "slurm_update error: Access/permission denied")
+    with pytest.raises(SlurmCommandError, match="permission denied"):
+        client.submit_named_array(task_scripts(3), name="ftsweep-1", task_names=["a", "b", "c"], user="sft-acme")
+    assert {j.state for j in fake.jobs.values()} == {"CANCELLED"}       # no task runs unrecorded
+    assert fake.calls[-1][0] == "scancel" and "--user=sft-acme" in fake.calls[-1]
+
+
+def test_an_array_showing_other_tasks_than_submitted_is_cancelled(fake: FakeSlurm) -> None:
+    client = SlurmClient(fake)
+    fake.on_sbatch = lambda j: fake.age_out(j.job_id + 2)     # task 2 gone from the queue at once
+    with pytest.raises(SlurmCommandError, match="shows tasks"):
+        client.submit_named_array(task_scripts(3), name="ftsweep-1", task_names=["a", "b", "c"], user="sft-acme")
+    assert {j.state for j in fake.jobs.values()} == {"CANCELLED"}
+
+
+def test_cancel_unnamed_tasks_cancels_only_the_owners_never_named_tasks(fake: FakeSlurm) -> None:
+    """A gateway that died between sbatch and naming: task 0 named (adopted as its job), tasks 1-2 still
+    carry the array's name (held, never ran): those two are cancelled; another tenant's array under the
+    same name is left alone."""
+    client = SlurmClient(fake)
+    ours = client.submit_array(task_scripts(3), name="ftsweep-1", user="sft-acme")
+    client.name_task(ours, 0, "ftjob-0")
+    theirs = client.submit_array(task_scripts(2, "beta"), name="ftsweep-1", user="sft-beta")
+    assert client.cancel_unnamed_tasks({"ftsweep-1": ACME}) == [("ftsweep-1", 1, ours), ("ftsweep-1", 2, ours)]
+    state = {(j.array_id, j.task): j.state for j in fake.jobs.values()}
+    assert state == {(ours, 0): "PENDING", (ours, 1): "CANCELLED", (ours, 2): "CANCELLED",
+                     (theirs, 0): "PENDING", (theirs, 1): "PENDING"}
+    assert client.cancel_unnamed_tasks({}) == []
+
+
+def test_ping_is_whether_slurmctld_answers(fake: FakeSlurm) -> None:
+    client = SlurmClient(fake)
+    assert client.ping() and fake.calls[-1] == ("scontrol", "ping")
+    fake.fail_next["scontrol"] = (1, "slurm_ping error: Unable to contact slurm controller")
+    assert not client.ping()
+
+
+def test_local_mode_has_no_arrays_and_no_queue(tmp_path: Path) -> None:
+    """What the Scheduler protocol answers in local mode, so no caller asks which scheduler it has."""
+    local = LocalScheduler(Settings(storage_root=tmp_path / "s", state_dir=tmp_path / "state", backend="local"))
+    with pytest.raises(ServiceError) as e:
+        local.submit_named_array(task_scripts(2), name="ftsweep-1", task_names=["a", "b"])
+    assert e.value.code == "no_backend"
+    assert local.cancel_unnamed_tasks({"ftsweep-1": ACME}) == [] and local.pending_starts([1, 2]) == {}
+    assert local.running_gpus("acme") == [] and local.test_only(task_scripts(1)[0])[1] == "local"
