@@ -11,6 +11,8 @@ from typing import Literal
 from pydantic import model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from trainer.contract.spec import HYPERPARAMETER_DEFAULTS
+
 STATE_DIR = Path("/var/lib/slurm-finetune/gateway")      # 0700, owned by the service user
 DEFAULT_DB = f"sqlite:///{STATE_DIR}/gateway.db"
 
@@ -38,7 +40,7 @@ class Settings(BaseSettings):
     max_upload_bytes: int = 256 * 1024 * 1024
     max_line_bytes: int = 4 * 1024 * 1024
     min_examples: int = 10
-    max_seq_len: int = 2048
+    max_seq_len: int = HYPERPARAMETER_DEFAULTS["max_seq_len"]   # an upload's longest example: the trainer's default
     default_model: str | None = "tiny-chat"   # tokenizer for upload checks when none is named
     max_reported_errors: int = 100
     # Any other request body (JSON, forms) is capped here; over it: 413 (gateway/api/limits.py).
@@ -86,7 +88,7 @@ class Settings(BaseSettings):
     webhook_max_attempts: int = 8
     webhook_retry_base_s: float = 10.0    # the wait after the n-th failure: base x 2^(n-1)
     # The trainer's device: "auto" trains on CUDA when torch sees it, and refuses the CPU when Slurm
-    # gave the job a GPU on a node with the NVIDIA driver loaded (exit 69, failed as node_fail);
+    # gave the job a GPU on a node with the NVIDIA driver loaded (exit GPU_UNAVAILABLE, failed as node_fail);
     # "cuda" refuses the CPU always (a GPU site that wants no doubt); "cpu" never uses a GPU.
     job_device: Literal["auto", "cuda", "cpu"] = "auto"
     cancel_deadline_s: float = 20.0

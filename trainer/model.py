@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer.contract.errors import GpuUnavailableError
-from trainer.contract.spec import Hyperparameters
+from trainer.contract.spec import HYPERPARAMETER_DEFAULTS, Hyperparameters
 from trainer.packing import IGNORE, Example, Row, micro_batches, sequence_bounds
 
 if TYPE_CHECKING:
@@ -167,7 +167,8 @@ def staging_device(device: str, shardable: bool) -> str:
     return "cpu" if shardable else device
 
 
-def load_base_model(path: str | Path, device: str | None = None, max_seq_len: int = 2048,
+def load_base_model(path: str | Path, device: str | None = None,
+                    max_seq_len: int = HYPERPARAMETER_DEFAULTS["max_seq_len"],
                     shardable: bool = False) -> Any:
     """Load a base model in 4-bit NF4 (double quant) for ``device`` (default: CUDA when present).
 

@@ -14,8 +14,9 @@ checkpoint); ``finalize`` publishes it. The "before" eval (step 0) is a
 reference only, never a candidate: publishing the untrained adapter would
 surprise more than a first eval that is already worse than the base.
 
-Signals: SIGUSR1 -> finish the step, checkpoint, exit 75 (requeue);
-SIGTERM -> finish the step, checkpoint, exit 143, never COMPLETE.
+Signals: SIGUSR1 -> finish the step, checkpoint, exit ``REQUEUE``;
+SIGTERM -> finish the step, checkpoint, exit ``CANCELLED``, never COMPLETE
+(``trainer.contract.exitcodes``).
 
 Data parallel (``world_size`` > 1, :mod:`trainer.distributed`): the same
 recipe runs on every rank. A step's rows are dealt out round-robin and the

@@ -15,7 +15,7 @@ from gateway.errors import ServiceError
 from gateway.models import DataFile, FineTuningJob, JobCheckpoint, JobEvent
 from gateway.services import jobcontrol, jobcreate, jobmodels, jobreads
 from gateway.state import JobState
-from trainer.contract.spec import HYPERPARAMETER_DEFAULTS
+from trainer.contract.spec import HYPERPARAMETER_DEFAULTS, JOB_BOUNDS
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"], dependencies=[access(Policy.TENANT)])
 JOB_ID = r"^[A-Za-z0-9_-]{1,64}$"
@@ -52,7 +52,7 @@ class Resources(BaseModel):
     """Ours: the GPUs a job trains on (one trainer rank each), spread over ``nodes``."""
 
     model_config = ConfigDict(extra="forbid")
-    gpus: Annotated[int, Field(ge=1, le=1024)] = 1
+    gpus: Annotated[int, Field(ge=1, le=JOB_BOUNDS["world_size"].high)] = 1   # one rank each: the spec's world_size
     nodes: Annotated[int, Field(ge=1, le=1024)] = 1
     fsdp: bool = False   # shard the 4-bit base over the ranks (FSDP2): for a model too large for one GPU
 
@@ -97,7 +97,8 @@ def job_object(job: FineTuningJob | Any, tenant: str) -> dict[str, Any]:
         "result_files": job.result_files or [], "status": job.status,
         "validation_file": job.validation_file, "training_file": job.training_file,
         "hyperparameters": openai_hp, "trained_tokens": job.trained_tokens, "error": error,
-        "user_provided_suffix": job.suffix, "seed": job.seed if job.seed is not None else hp.get("seed", 0),
+        "user_provided_suffix": job.suffix,
+        "seed": job.seed if job.seed is not None else hp.get("seed", HYPERPARAMETER_DEFAULTS["seed"]),
         "estimated_finish": _ts(job.estimated_finish) if job.status in (JobState.QUEUED, JobState.RUNNING) else None,
         "expected_start": _ts(job.expected_start) if job.status == JobState.QUEUED else None,
         "integrations": [], "metadata": job.meta,

@@ -113,7 +113,7 @@ def test_load_spec_not_json(tmp_path: Path) -> None:
 
 
 def test_spec_module_does_not_import_torch() -> None:
-    source = (REPO / "trainer" / "spec.py").read_text()
+    source = (REPO / "trainer" / "contract" / "spec.py").read_text()
     assert "import torch" not in source
     assert JobSpec.model_fields  # importable by the gateway
 
