@@ -2,13 +2,13 @@
 
 Input is OpenAI-style chat JSONL: one ``{"messages": [...]}`` per line, roles
 system/user/assistant, an optional ``weight`` (0 or 1) on assistant messages.
-Errors name the dataset and the line number, never the text.
+Lines are read by the contract's grammar (``trainer.contract.lines``), the one the
+gateway validated the upload with. Errors name the dataset and the line number, never the text.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import random
 import re
@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from trainer.contract.errors import DatasetError
+from trainer.contract.lines import CHAT, Chat, LineError, LineReader, Preference
 from trainer.packing import Example, mask_from_spans, mask_runs
 
-ROLES = frozenset({"system", "user", "assistant"})
-MESSAGE_KEYS = frozenset({"role", "content", "weight"})
 _GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -72,69 +71,40 @@ def verify_sha256(path: str | Path, expected: str, what: str) -> None:
         )
 
 
-def _validate_line(obj: Any, where: str) -> tuple[list[dict[str, str]], list[int]]:
-    if not isinstance(obj, dict) or set(obj) - {"messages"} or "messages" not in obj:
-        raise DatasetError(f"{where}: expected an object with only the key 'messages'")
-    messages = obj["messages"]
-    if not isinstance(messages, list) or not messages:
-        raise DatasetError(f"{where}: 'messages' must be a non-empty list")
-    clean: list[dict[str, str]] = []
-    weights: list[int] = []
-    for i, message in enumerate(messages):
-        at = f"{where}, message {i}"
-        if not isinstance(message, dict) or set(message) - MESSAGE_KEYS:
-            raise DatasetError(f"{at}: expected keys among {sorted(MESSAGE_KEYS)}")
-        role, content = message.get("role"), message.get("content")
-        if role not in ROLES:
-            raise DatasetError(f"{at}: role must be one of {sorted(ROLES)}")
-        if not isinstance(content, str):
-            raise DatasetError(f"{at}: 'content' must be a string")
-        if "weight" in message:
-            if role != "assistant":
-                raise DatasetError(f"{at}: 'weight' is allowed on assistant messages only")
-            if message["weight"] not in (0, 1) or isinstance(message["weight"], bool):
-                raise DatasetError(f"{at}: 'weight' must be 0 or 1")
-        if role == "assistant":
-            weights.append(int(message.get("weight", 1)))
-        clean.append({"role": role, "content": content})
-    if not any(weights):
-        raise DatasetError(f"{where}: no assistant message with weight 1 (nothing to learn)")
-    return clean, weights
-
-
-def read_jsonl(path: str | Path, what: str) -> Iterator[tuple[int, Any, str]]:
-    """Yield ``(line number, decoded JSON, "<what> dataset line <n>")`` for every non-blank line.
+def read_lines(path: str | Path, what: str, fmt: str) -> Iterator[tuple[int, Chat | Preference]]:
+    """Yield ``(line number, example)`` for every non-blank line of a dataset file of format ``fmt``
+    (``trainer.contract.lines.CHAT`` or ``PREFERENCE``), read by the contract's ``LineReader``: the
+    grammar the gateway validated the upload with, so a file it accepted reads here.
 
     Raises:
-        DatasetError: the file is unreadable, or a line is not UTF-8 or not JSON (naming the
-            line, never its text).
+        DatasetError: the file is unreadable, or a line breaks the grammar (its message and error
+            class, as the gateway reports them, after the line number; never the line's text).
     """
+    reader = LineReader(fmt)
     try:
         with open(path, "rb") as f:
             for number, raw in enumerate(f, start=1):
-                where = f"{what} dataset line {number}"
                 try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise DatasetError(f"{where}: not valid UTF-8") from e
-                if not text.strip():
-                    continue
-                try:
-                    obj = json.loads(text)
-                except json.JSONDecodeError as e:
-                    raise DatasetError(f"{where}: not valid JSON (column {e.colno})") from e
-                yield number, obj, where
+                    example = reader.read(number, raw)
+                except LineError as e:
+                    raise DatasetError(f"{what} dataset line {number}: {e.message} ({e.kind})") from e
+                if example is not None:
+                    yield number, example
     except OSError as e:
         raise DatasetError(f"{what} dataset {path}: cannot read ({e.strerror})") from e
 
 
 def read_conversations(path: str | Path, what: str) -> list[Conversation]:
-    """Read and validate every line of a chat JSONL file (blank lines are skipped).
+    """Read and validate every line of a chat JSONL file (blank lines are skipped). A message's
+    ``name`` is accepted and dropped: the chat template renders role and content only.
 
     Raises:
         DatasetError: naming the first invalid line (never its text).
     """
-    conversations = [Conversation(number, *_validate_line(obj, where)) for number, obj, where in read_jsonl(path, what)]
+    conversations = []
+    for number, chat in read_lines(path, what, CHAT):
+        assert isinstance(chat, Chat)  # a CHAT reader reads chat lines only
+        conversations.append(Conversation(number, [m.turn() for m in chat.messages], chat.weights))
     if not conversations:
         raise DatasetError(f"{what} dataset {path}: no examples")
     return conversations

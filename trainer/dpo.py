@@ -38,15 +38,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer.contract.errors import DatasetError
-from trainer.data import ROLES, ChatTokenizer, Conversation, read_jsonl, tokenize_conversation
+from trainer.contract.lines import PREFERENCE
+from trainer.contract.lines import Preference as PreferenceLine
+from trainer.data import ChatTokenizer, Conversation, read_lines, tokenize_conversation
 from trainer.packing import Example, Row, build_row, pack
 
 if TYPE_CHECKING:
     import torch
-
-TOP_KEYS = frozenset({"input", "preferred_output", "non_preferred_output"})
-SIDES = ("preferred_output", "non_preferred_output")
-
 
 @dataclass(frozen=True)
 class Preference:
@@ -81,51 +79,18 @@ class PairRow:
 # ----------------------------------------------------------------- reading
 
 
-def _side(obj: dict[str, Any], key: str, where: str) -> str:
-    side = obj.get(key)
-    if not isinstance(side, list) or len(side) != 1:
-        raise DatasetError(f"{where}: '{key}' must be a list of exactly one assistant message")
-    message = side[0]
-    if not isinstance(message, dict) or set(message) - {"role", "content"} or message.get("role") != "assistant":
-        raise DatasetError(f"{where}: '{key}' must hold one message with role 'assistant' and a 'content'")
-    content = message.get("content")
-    if not isinstance(content, str) or not content.strip():
-        raise DatasetError(f"{where}: '{key}' content must be a non-empty string")
-    return content
-
-
-def _validate_line(obj: Any, where: str) -> tuple[list[dict[str, str]], str, str]:
-    if not isinstance(obj, dict) or set(obj) != TOP_KEYS:
-        raise DatasetError(f"{where}: expected an object with exactly the keys {sorted(TOP_KEYS)}")
-    prompt_obj = obj["input"]
-    if not isinstance(prompt_obj, dict) or set(prompt_obj) != {"messages"}:
-        raise DatasetError(f"{where}: 'input' must be an object with only the key 'messages'")
-    messages = prompt_obj["messages"]
-    if not isinstance(messages, list) or not messages:
-        raise DatasetError(f"{where}: 'input.messages' must be a non-empty list")
-    prompt: list[dict[str, str]] = []
-    for i, message in enumerate(messages):
-        at = f"{where}, input message {i}"
-        if not isinstance(message, dict) or set(message) - {"role", "content"}:
-            raise DatasetError(f"{at}: expected keys among ['content', 'role']")
-        if message.get("role") not in ROLES or not isinstance(message.get("content"), str):
-            raise DatasetError(f"{at}: role must be one of {sorted(ROLES)} and 'content' a string")
-        prompt.append({"role": message["role"], "content": message["content"]})
-    if prompt[-1]["role"] != "user":
-        raise DatasetError(f"{where}: 'input.messages' must end with a user message (the prompt answered)")
-    chosen, rejected = (_side(obj, key, where) for key in SIDES)
-    if chosen == rejected:
-        raise DatasetError(f"{where}: the preferred and non-preferred outputs are identical")
-    return prompt, chosen, rejected
-
-
 def read_pairs(path: str | Path, what: str) -> list[Preference]:
-    """Read and validate every line of a preference JSONL file (blank lines are skipped).
+    """Read and validate every line of a preference JSONL file (blank lines are skipped), by the
+    contract's grammar (``trainer.data.read_lines``). A prompt message's ``name`` is accepted and
+    dropped: the chat template renders role and content only.
 
     Raises:
         DatasetError: naming the first invalid line (never its text).
     """
-    pairs = [Preference(number, *_validate_line(obj, where)) for number, obj, where in read_jsonl(path, what)]
+    pairs = []
+    for number, line in read_lines(path, what, PREFERENCE):
+        assert isinstance(line, PreferenceLine)  # a PREFERENCE reader reads preference lines only
+        pairs.append(Preference(number, [m.turn() for m in line.prompt], line.chosen, line.rejected))
     if not pairs:
         raise DatasetError(f"{what} dataset {path}: no preference pairs")
     return pairs

@@ -218,6 +218,7 @@ def test_read_conversations_validates_and_names_the_line(tmp_path: Path) -> None
             "messages": [
                 {"role": "user", "content": "hi"},
                 {"role": "assistant", "content": "yo", "weight": 0},
+                {"role": "user", "content": "and?"},
                 {"role": "assistant", "content": "ok"},
             ]
         }
@@ -234,8 +235,8 @@ def test_read_conversations_validates_and_names_the_line(tmp_path: Path) -> None
     ("line", "problem"),
     [
         ("{not json", "not valid JSON"),
-        ('{"messages": []}', "non-empty list"),
-        ('{"messages": [{"role": "user", "content": "x", "weight": 1}]}', "assistant messages only"),
+        ('{"messages": []}', "missing, empty or not a list"),
+        ('{"messages": [{"role": "user", "content": "x", "weight": 1}]}', "only assistant messages take a weight"),
         ('{"messages": [{"role": "assistant", "content": "x", "weight": 2}]}', "0 or 1"),
         ('{"messages": [{"role": "user", "content": "x"}]}', "nothing to learn"),
         ('{"messages": [{"role": "user", "content": 5}]}', "must be a string"),
