@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -79,9 +80,10 @@ class Settings(BaseSettings):
     # One reconciler at a time across the gateways sharing the database (gateway.jobs.leader): the
     # leader renews its lease every cycle; a standby takes over at most ~4/3 x this after the leader dies
     reconciler_lease_s: float = 15.0
-    # Fault injection, for the test suite only: every job's learning rate is 1e30 at this optimizer step
-    # (trainer.spec.JobSpec.fault_lr_blowup_at_step), so the run must stop as diverged. Never set on a site.
-    fault_lr_blowup_at_step: int | None = None
+    # For the test suite only, never on a site: variables added to every job's environment, each named
+    # SFT_TEST_* (the trainer's test-only fault injection reads them: trainer.jobenv.test_fault_step). The
+    # job spec carries no such thing, so no tenant's request can set one.
+    test_job_env: dict[str, str] = {}
     # webhooks: receivers on loopback, link-local or private addresses only when their host is listed here
     webhook_allowed_hosts: list[str] = []
     webhook_timeout_s: float = 5.0
@@ -115,6 +117,14 @@ class Settings(BaseSettings):
     api_url: str | None = None
     api_token: str | None = None
     credentials_file: Path = Path("~/.config/slurm-finetune/credentials.json")
+
+    @model_validator(mode="after")
+    def _test_variables_only(self) -> Settings:
+        """``test_job_env`` may name only ``SFT_TEST_*`` variables: it cannot reach into a job's real settings."""
+        wrong = sorted(k for k in self.test_job_env if not re.fullmatch(r"SFT_TEST_[A-Z0-9_]+", k))
+        if wrong:
+            raise ValueError(f"test_job_env may set only SFT_TEST_* variables, not {', '.join(wrong)}")
+        return self
 
     @model_validator(mode="after")
     def _local_paths(self) -> Settings:

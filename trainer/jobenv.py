@@ -1,4 +1,5 @@
-"""The one place the trainer reads the job environment (``SLURM_*``, ranks, ``CUDA_VISIBLE_DEVICES``)."""
+"""The one place the trainer reads the job environment (``SLURM_*``, ranks, ``CUDA_VISIBLE_DEVICES``, and
+the test suite's fault injection, ``test_fault_step``)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,33 @@ def real_gpu_allocated(driver: Path = NVIDIA_DRIVER) -> bool:
     """
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
     return bool(visible) and visible not in ("-1", "NoDevFiles") and driver.exists()
+
+
+TEST_TIER_VARIABLE = "SFT_TEST_TIER"
+FAULT_VARIABLE = "SFT_TEST_FAULT_LR_BLOWUP_AT_STEP"
+
+
+def test_fault_step() -> int | None:
+    """The optimizer step the test suite's learning-rate blow-up is injected at, or None.
+
+    Fault injection for tests only, kept out of the job spec (which holds only what a user may
+    ask: a spec naming it is refused): that step runs at learning rate 1e30, so the weights
+    overflow and the next step's loss is not finite (``DivergedError``). Read only when
+    ``SFT_TEST_TIER`` is set too, so a stray ``SFT_TEST_FAULT_LR_BLOWUP_AT_STEP`` alone does
+    nothing. A job's environment is the gateway's to write (``sbatch --export=NONE``: only the
+    batch script's exports reach it), so a tenant's request cannot set either; the test suite
+    gets both into a job through the gateway's ``SFT_TEST_JOB_ENV`` (``gateway.config``), or
+    into a trainer it starts itself through that process's environment.
+
+    Raises:
+        ValueError: the tier is set and the step is not a positive integer.
+    """
+    if not os.environ.get(TEST_TIER_VARIABLE) or not os.environ.get(FAULT_VARIABLE):
+        return None
+    step = int(os.environ[FAULT_VARIABLE])
+    if step < 1:
+        raise ValueError(f"{FAULT_VARIABLE} must be >= 1, got {step}")
+    return step
 
 
 _TORCH_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")

@@ -18,6 +18,10 @@ Signals: SIGUSR1 -> finish the step, checkpoint, exit ``REQUEUE``;
 SIGTERM -> finish the step, checkpoint, exit ``CANCELLED``, never COMPLETE
 (``trainer.contract.exitcodes``).
 
+Fault injection, for the test suite only and never from the spec: ``SFT_TEST_TIER`` and
+``SFT_TEST_FAULT_LR_BLOWUP_AT_STEP`` in the environment blow the learning rate up at that
+step (``trainer.jobenv.test_fault_step``).
+
 Data parallel (``world_size`` > 1, :mod:`trainer.distributed`): the same
 recipe runs on every rank. A step's rows are dealt out round-robin and the
 LoRA gradients summed after backward, so steps, losses and updates are those
@@ -54,7 +58,7 @@ from types import FrameType
 from typing import Any
 
 from trainer import checkpoint as ckpt
-from trainer import dpo, early_signals
+from trainer import dpo, early_signals, jobenv
 from trainer.catalog import resolve
 from trainer.contract import exitcodes, jobdir
 from trainer.contract.errors import (
@@ -160,6 +164,7 @@ class Recipe:
         self.stop = stop
         self.world = world or World()
         self.spec_hash = spec_hash(spec)
+        self.fault_step = jobenv.test_fault_step()  # None unless the test tier asks (never from the spec)
         self.checkpoint_hash = checkpoint_hash(spec)  # what a checkpoint is pinned to: any world size, any sharding
         self.job_dir = Path(spec.job_dir)
         self.checkpoints = self.job_dir / jobdir.CHECKPOINTS
@@ -477,7 +482,7 @@ class Recipe:
         import torch
 
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-        if self.spec.fault_lr_blowup_at_step == self.progress.step + 1:   # test-only fault (JobSpec)
+        if self.fault_step == self.progress.step + 1:   # the test suite's fault (jobenv.test_fault_step)
             for group in self.optimizer.param_groups:
                 group["lr"] = 1e30                  # the scheduler's next step sets it back
         self.optimizer.step()

@@ -98,7 +98,8 @@ class Submitter:
             mem_mb=self.settings.job_mem_mb * (job.gpus // job.nodes),
             time_limit_min=job.time_limit_min or 60, grace_s=self.settings.signal_grace_s,
             partition=self.settings.slurm_partition,
-            env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+            env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                 **self.settings.test_job_env})   # the test suite's SFT_TEST_* only (config)
 
     def array(self, jobs: list[FineTuningJob], specs: list[dict[str, Any]], tenant: str,
               name: str) -> tuple[int, list[int], str]:

@@ -70,7 +70,6 @@ def job_spec(settings: Settings, tenant: str, job: FineTuningJob, train: DataFil
         **({"init_adapter": {"path": layout.absolute(settings.storage_root, tenant, file_parts(init)),
                              "sha256": init.sha256}} if init is not None else {}),
         **({"method": job.method} if job.method != "supervised" else {}),
-        **({"fault_lr_blowup_at_step": settings.fault_lr_blowup_at_step} if settings.fault_lr_blowup_at_step else {}),
     }
     try:
         parse_spec(spec)

@@ -31,8 +31,8 @@ def test_epochs_that_are_not_whole_numbers_are_a_400_not_a_500() -> None:
     # found by test_abuse.py: {"n_epochs": "{{7*7}}"} raised ValueError in int() (HTTP 500)
     import pytest
 
-    from gateway.errors import ServiceError
     from gateway.api.openai import to_ours
+    from gateway.errors import ServiceError
     from gateway.services.jobspec import _epochs
 
     for bad in ("{{7*7}}", None, True, 0, -1, 2.5, 1e308, float("inf"), float("nan"), [3], 10 ** 30):

@@ -4,6 +4,7 @@ then requeues it; the next attempt resumes from the newest checkpoint and the jo
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -65,7 +66,8 @@ def _events(job_id: str) -> list[dict[str, object]]:
 
 @pytest.fixture(scope="module")
 def diverging_gw(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
-    g = LiveGateway(tmp_path_factory.mktemp("nan"), (T_NAN,), SFT_FAULT_LR_BLOWUP_AT_STEP="3")
+    fault = {"SFT_TEST_TIER": "1", "SFT_TEST_FAULT_LR_BLOWUP_AT_STEP": "3"}   # into every job's environment
+    g = LiveGateway(tmp_path_factory.mktemp("nan"), (T_NAN,), SFT_TEST_JOB_ENV=json.dumps(fault))
     yield g
     g.stop()
 

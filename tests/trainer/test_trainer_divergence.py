@@ -58,11 +58,12 @@ def test_every_eval_reports_the_standard_error_of_its_rows(reference: Reference)
 
 def test_the_test_only_learning_rate_blow_up_makes_the_next_step_diverge(tiny: Tiny, toy: ToyData,
                                                                           tmp_path: Path) -> None:
-    """The fault the live test injects through the gateway (``SFT_FAULT_LR_BLOWUP_AT_STEP``): step 2 runs
-    at learning rate 1e30; steps 1 and 2 report finite losses, step 3 fails the run."""
+    """The fault the live test injects through the gateway (``SFT_TEST_JOB_ENV``): the test tier's
+    ``SFT_TEST_FAULT_LR_BLOWUP_AT_STEP=2`` runs step 2 at learning rate 1e30; steps 1 and 2 report finite
+    losses, step 3 fails the run."""
     spec = make_spec(tiny, toy, tmp_path / "job", epochs=1)
-    spec["fault_lr_blowup_at_step"] = 2
-    code = run_trainer(write_spec(spec, tmp_path / "spec.json"), tmp_path / "log")
+    code = run_trainer(write_spec(spec, tmp_path / "spec.json"), tmp_path / "log",
+                       env={"SFT_TEST_TIER": "1", "SFT_TEST_FAULT_LR_BLOWUP_AT_STEP": "2"})
     evs = events(Path(spec["job_dir"]))
     assert code == exitcodes.USER_ERROR, (tmp_path / "log").read_text()[-2000:]
     assert [e["step"] for e in evs if e["type"] == "metrics"] == [1, 2]

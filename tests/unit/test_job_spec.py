@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from gateway.api.openai import to_ours
 from gateway.config import Settings
 from gateway.errors import ServiceError
 from gateway.models import DataFile, FineTuningJob
-from gateway.api.openai import to_ours
 from gateway.services.jobspec import job_spec
 from gateway.storage.layout import result_path
 from trainer.catalog import CatalogEntry
@@ -156,3 +156,37 @@ def test_a_supervised_request_keeps_its_idempotency_digest() -> None:
 def test_a_dpo_job_may_say_dropout_zero(tmp_path: Path) -> None:
     """DPO trains without dropout (as TRL): 0 is accepted (an old client, a sweep), only a non-zero value is refused."""
     assert parse_spec(_dpo_spec(tmp_path, {"lora_dropout": 0.0})).hyperparameters.lora_dropout == 0.0
+
+
+def test_a_spec_cannot_carry_the_test_suites_fault_injection(tmp_path: Path) -> None:
+    """The job spec holds only what a user may ask: the learning-rate blow-up of the test suite is no
+    field of it, so a spec (a tenant's rewritten spec.json included) naming it is refused."""
+    from trainer.contract.errors import SpecError
+
+    spec = _spec(tmp_path)
+    with pytest.raises(SpecError, match="fault_lr_blowup_at_step: unknown key"):
+        parse_spec({**spec, "fault_lr_blowup_at_step": 2})
+
+
+@pytest.mark.parametrize(("env", "step"), [
+    ({}, None),
+    ({"SFT_TEST_FAULT_LR_BLOWUP_AT_STEP": "3"}, None),          # without the test tier: ignored
+    ({"SFT_TEST_TIER": "1"}, None),
+    ({"SFT_TEST_TIER": "1", "SFT_TEST_FAULT_LR_BLOWUP_AT_STEP": "3"}, 3),
+])
+def test_the_fault_is_read_only_under_the_test_tier(monkeypatch: pytest.MonkeyPatch, env: dict[str, str],
+                                                    step: int | None) -> None:
+    from trainer import jobenv
+
+    for name in ("SFT_TEST_TIER", "SFT_TEST_FAULT_LR_BLOWUP_AT_STEP"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert jobenv.test_fault_step() == step
+
+
+def test_the_gateway_adds_only_test_variables_to_a_jobs_environment(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="only SFT_TEST_"):
+        Settings(storage_root=tmp_path, database_url="sqlite://", test_job_env={"PATH": "/evil"})
+    s = Settings(storage_root=tmp_path, database_url="sqlite://", test_job_env={"SFT_TEST_TIER": "1"})
+    assert s.test_job_env == {"SFT_TEST_TIER": "1"}

@@ -167,9 +167,8 @@ class JobSpec(_Strict):
     then OpenAI preference JSONL). A DPO step holds whole pairs, so ``batch_size_tokens``
     must be at least ``2 * max_seq_len``; DPO is not sharded (no ``fsdp``) yet.
 
-    ``fault_lr_blowup_at_step``: fault injection for the test suite (the gateway's
-    ``SFT_FAULT_LR_BLOWUP_AT_STEP``): that optimizer step runs at learning rate 1e30, so
-    the weights overflow and the next step's loss is not finite. Never set on a real site.
+    Only what a user may ask: the test suite's fault injection is no field of the spec (a
+    spec naming one is refused as an unknown key); see ``trainer.jobenv.test_fault_step``.
     """
 
     version: Literal[1] = 1
@@ -187,7 +186,6 @@ class JobSpec(_Strict):
     fsdp: bool = False
     init_adapter: DatasetRef | None = None
     method: Literal["supervised", "dpo"] = "supervised"
-    fault_lr_blowup_at_step: Annotated[int, Field(ge=1)] | None = None
 
     @model_validator(mode="after")
     def _method_fits(self) -> JobSpec:
@@ -362,7 +360,7 @@ JOB_BOUNDS: Mapping[str, Bounds] = MappingProxyType(
 
 _ADDED_HYPERPARAMETERS = ("warmup_ratio", "early_stopping_patience", "early_stopping_min_delta", "torch_compile",
                           "beta")
-_ADDED_FIELDS = ("device", "world_size", "fsdp", "init_adapter", "method", "fault_lr_blowup_at_step")
+_ADDED_FIELDS = ("device", "world_size", "fsdp", "init_adapter", "method")
 """Fields added after version 1 shipped: left out of the canonical JSON while at their default,
 so a spec that does not use them keeps its hash (and an in-flight job its checkpoints) across
 an upgrade."""
