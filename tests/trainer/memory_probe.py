@@ -8,13 +8,18 @@ Usage: ``python memory_probe.py SPEC.json``. Prints (MiB):
 * ``resident``: RSS growth over ``runtime`` after setup (the model as it trains);
 * ``step_peak``: peak RSS growth over ``runtime`` during the "before" eval and step 1 (the
   peak counter is reset after setup through ``/proc/self/clear_refs``, so the load does not
-  hide it); ``rows``: ``(tokens, trained tokens, longest example)`` of each of step 1's rows.
+  hide it); ``rows``: ``(tokens, trained tokens, longest example)`` of each of step 1's rows;
+* ``step_growth``: peak RSS growth over what setup left (``step_peak`` less ``resident``: what the
+  step itself adds, the DPO-vs-supervised comparison's measure);
+* ``lengths``: the sequence length of every decoder forward (the "before" eval, step 1, DPO's
+  reference); ``metric``: step 1's metrics.
 
 The heap is set up first as a trainer process's (``trainer.heap.map_large_blocks``, where that
 module exists: glibc's mmap threshold fixed before anything is loaded).
 
 What :func:`trainer.memory.estimate` predicts is compared with ``step_peak`` and ``load_peak``
-(tests/trainer/test_memory_estimate_measured.py).
+(tests/trainer/test_memory_estimate_measured.py, which also compares DPO's step with the
+supervised one from the same runs).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def _status(key: str) -> float:
@@ -49,6 +55,7 @@ def main(spec_path: str) -> None:
 
     from trainer.contract.spec import load_spec
     from trainer.dpo import pair_rows
+    from trainer.model import decoder_and_head
     from trainer.packing import micro_batches, sequence_bounds
     from trainer.recipe import Recipe, StopFlag
 
@@ -65,11 +72,20 @@ def main(spec_path: str) -> None:
     else:
         packed = micro_batches([recipe.train_examples[i] for i in indices], recipe.hp.max_seq_len)
     rows = [(len(r.input_ids), r.n_targets, _longest(sequence_bounds(r.position_ids))) for r in packed]
+    lengths: list[int] = []
+    parts = decoder_and_head(recipe.model)
+    assert parts is not None
+
+    def record(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        lengths.append(int(kwargs["input_ids"].shape[-1]))
+
+    parts[0].register_forward_pre_hook(record, with_kwargs=True)
     recipe.train()
     step_peak = _status("VmHWM") - mapped - _status("RssShmem") - runtime
     recipe.cleanup()
     print(json.dumps({"runtime": runtime, "load_peak": load_peak, "resident": resident, "step_peak": step_peak,
-                      "mapped": mapped, "rows": rows}))
+                      "step_growth": step_peak - resident, "mapped": mapped, "rows": rows, "lengths": lengths,
+                      "metric": recipe.progress.metrics[0]}))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """trainer.memory's estimate against measured peaks: the tiny model and SmolLM2, supervised and DPO,
-one real step each in a fresh process (memory_probe.py), within 25 %.
+one real step each in a fresh process (memory_probe.py), within 25 %; and from the same SmolLM2 runs
+(each model and method is measured once per session), DPO in the memory a real model needs (issue
+29): a DPO step adds at most 1.5x what the supervised step on the same data size and settings adds,
+and either stays far below what the regression cost.
 
 What is compared: the estimate less its runtime term (``MemoryEstimate.step``) with the probe's
 ``step_peak``: the peak anonymous memory of the step's process over what it held once the trainer
@@ -14,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +29,9 @@ PROBE = Path(__file__).with_name("memory_probe.py")
 ROOT = Path(__file__).resolve().parents[2]
 SYSTEM_CATALOG = Path("/srv/slurm-finetune/models")
 BOUND = 0.25
+EXAMPLES = 60          # the size of the job that was killed (60 short preference pairs, defaults)
+STEP_LIMIT_MIB = 1536  # the step on top of setup; 09dac64 added 5.5 GB for DPO and 4.2 GB for SFT
+Probe = Callable[[str, str], dict[str, Any]]
 
 
 def _allocator() -> dict[str, str]:
@@ -52,7 +59,7 @@ def _probe(root: Path, name: str, digest: str, method: str, tmp: Path) -> dict[s
     from trainer.data import sha256_file
     from trainer.toydata import toy_conversations, toy_preferences, write_jsonl
 
-    rows = toy_preferences(60, seed=1) if method == "dpo" else toy_conversations(60, seed=1)
+    rows = toy_preferences(EXAMPLES, seed=1) if method == "dpo" else toy_conversations(EXAMPLES, seed=1)
     train = write_jsonl(tmp / "train.jsonl", rows)
     spec = {"base_model": {"name": name, "digest": digest, "catalog_root": str(root)},
             "train": {"path": str(train), "sha256": sha256_file(train)}, "job_dir": str(tmp / "job"),
@@ -67,21 +74,39 @@ def _probe(root: Path, name: str, digest: str, method: str, tmp: Path) -> dict[s
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
+def _model(tiny: Tiny, model: str) -> tuple[Path, str, str]:
+    if model == "tiny":
+        return tiny.root, tiny.name, tiny.digest
+    found = _smollm2()
+    if found is None:
+        pytest.skip(f"SmolLM2 is not registered in {SYSTEM_CATALOG} (finetune models import-smollm2)")
+    return found
+
+
+@pytest.fixture(scope="session")
+def measured_step(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> Probe:
+    """``(model, method)`` -> the probe's measurement of that step, each run once per session: the
+    estimate's test and the DPO-vs-supervised test read the same SmolLM2 runs."""
+    runs: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def measure(model: str, method: str) -> dict[str, Any]:
+        if (model, method) not in runs:
+            root, name, digest = _model(tiny, model)
+            runs[model, method] = _probe(root, name, digest, method, tmp_path_factory.mktemp(f"{model}-{method}"))
+        return runs[model, method]
+
+    return measure
+
+
 @pytest.mark.parametrize("method", ["supervised", "dpo"])
 @pytest.mark.parametrize("model", ["tiny", "smollm2"])
 def test_estimate_within_25_percent_of_the_measured_step_peak(tiny: Tiny, model: str, method: str,
-                                                              tmp_path: Path) -> None:
+                                                              measured_step: Probe) -> None:
     from trainer.catalog import model_dir
     from trainer.memory import CPU_RUNTIME_BYTES, MIB, estimate, read_shape
 
-    if model == "tiny":
-        root, name, digest = tiny.root, tiny.name, tiny.digest
-    else:
-        found = _smollm2()
-        if found is None:
-            pytest.skip(f"SmolLM2 is not registered in {SYSTEM_CATALOG}")
-        root, name, digest = found
-    measured = _probe(root, name, digest, method, tmp_path)
+    root, name, digest = _model(tiny, model)
+    measured = measured_step(model, method)
     tokens, trained, _ = max(measured["rows"])
     shape = read_shape(model_dir(root, name, digest))
     est = estimate(shape, max_seq_len=2048, method=method, device="cpu", row_tokens=tokens, trained=trained,
@@ -91,3 +116,16 @@ def test_estimate_within_25_percent_of_the_measured_step_peak(tiny: Tiny, model:
           f"measured {measured['step_peak']:.0f} MiB ({100 * error:+.1f} %); runtime {measured['runtime']:.0f} MiB")
     assert abs(error) <= BOUND, (est, measured)
     assert abs(measured["runtime"] * MIB - CPU_RUNTIME_BYTES) <= BOUND * CPU_RUNTIME_BYTES, measured
+
+
+def test_smollm2_dpo_step_costs_at_most_1_5x_the_supervised_step(measured_step: Probe) -> None:
+    sft = measured_step("smollm2", "supervised")
+    dpo = measured_step("smollm2", "dpo")
+    ratio = dpo["step_growth"] / sft["step_growth"]
+    print(f"\nSmolLM2, {EXAMPLES} examples, defaults: step peak RSS growth DPO {dpo['step_growth']:.0f} MiB "
+          f"(longest forward {max(dpo['lengths'])} tokens) vs supervised {sft['step_growth']:.0f} MiB "
+          f"({max(sft['lengths'])}): {ratio:.2f}x")
+    assert dpo["metric"]["trained_tokens"] > 0 and sft["metric"]["trained_tokens"] > 0
+    assert max(dpo["lengths"]) > 1.5 * max(sft["lengths"])  # DPO rows do hold both sides of their pairs
+    assert ratio <= 1.5
+    assert dpo["step_growth"] < STEP_LIMIT_MIB and sft["step_growth"] < STEP_LIMIT_MIB
