@@ -21,6 +21,7 @@ from gateway.errors import ServiceError
 from gateway.jobs.backend import build_backend
 from gateway.portal import STATIC_DIR, STATIC_URL
 from gateway.portal import router as portal_router
+from gateway.services.cluster import Cluster
 
 log = logging.getLogger("gateway.api")
 
@@ -68,7 +69,7 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
     app.state.engine = backend.engine
 
     app.state.principals = PrincipalCache(settings.token_cache_s) if settings.token_cache_s > 0 else None
-    app.state.slurm = backend.scheduler
+    app.state.cluster = Cluster(backend.scheduler, settings)   # the admin pages' one door to Slurm
     app.state.submitter = backend.submitter
     app.state.reconciler = backend.reconciler
     app.include_router(files.router)

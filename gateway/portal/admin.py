@@ -7,8 +7,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 
+from accounting.usage import GROUPINGS
+from accounting.window import DATE_HELP, AccountingError
 from gateway.access.policy import Policy
-from gateway.api.deps import SettingsDep
 from gateway.errors import Forbidden
 from gateway.portal.session import PortalUser
 from gateway.portal.web import PortalRoute, UserDep, portal_access, render
@@ -29,6 +30,12 @@ def get_admin(user: UserDep) -> PortalUser:
 AdminDep = Annotated[PortalUser, Depends(get_admin)]
 
 
+def _cluster(request: Request) -> cluster_svc.Cluster:
+    """The cluster service the app was built with (``gateway.app``: the gateway's scheduler bound in)."""
+    cluster: cluster_svc.Cluster = request.app.state.cluster
+    return cluster
+
+
 def _png(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
 
@@ -45,24 +52,22 @@ def share_bars(fs: Any) -> list[dict[str, Any]]:
 
 
 @router.get("")
-def overview(request: Request, settings: SettingsDep, user: AdminDep) -> Response:
+def overview(request: Request, user: AdminDep) -> Response:
     """Drained or down nodes with Slurm's reason, and the latest scrub reports per node."""
-    view = cluster_svc.cluster_overview(request.app.state.slurm, settings)
+    view = _cluster(request).overview()
     return render(request, "admin.html", user=user, nodes=view.nodes, scrubs=view.scrubs, error=view.error)
 
 
 @router.get("/usage")
-def usage(request: Request, settings: SettingsDep, user: AdminDep,
+def usage(request: Request, user: AdminDep,
           start: str = Query("-7d", max_length=40), end: str = Query("now", max_length=40),
           by: str = Query("tenant", max_length=10)) -> Response:
     """The usage report (sacct) with its charts, and the fairshare report (sshare)."""
-    from accounting.charts import gpu_hours_png, wait_png
-    from accounting.usage import GROUPINGS
-    from accounting.window import DATE_HELP, AccountingError
+    from accounting.charts import gpu_hours_png, wait_png  # lazy: matplotlib, for this one page only
 
     ctx: dict[str, Any] = {"start": start, "end": end, "by": by, "groupings": GROUPINGS, "date_help": DATE_HELP}
     try:
-        view = cluster_svc.usage_and_fairshare(request.app.state.slurm, settings, start=start, end=end, by=by)
+        view = _cluster(request).usage_and_fairshare(start=start, end=end, by=by)
     except (AccountingError, cluster_svc.ClusterError) as e:
         return render(request, "admin_usage.html", user=user, error=str(e), status=400, **ctx)
     ctx.update(report=view.report, fairshare=view.fairshare, bars=share_bars(view.fairshare),
@@ -71,10 +76,10 @@ def usage(request: Request, settings: SettingsDep, user: AdminDep,
 
 
 @router.get("/tenants")
-def tenants(request: Request, settings: SettingsDep, user: AdminDep) -> Response:
+def tenants(request: Request, user: AdminDep) -> Response:
     """Tenants (Slurm accounts under the parent account) and the QOS tiers on the cluster."""
     try:
-        rows, qos = cluster_svc.tenants_and_qos(request.app.state.slurm, settings)
+        rows, qos = _cluster(request).tenants_and_qos()
     except cluster_svc.ClusterError as e:
         return render(request, "admin_tenants.html", user=user, error=f"sacctmgr failed: {e}",
                       tenants=[], qos=[], status=502)
