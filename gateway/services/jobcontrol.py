@@ -11,7 +11,7 @@ from sqlmodel import Session
 
 from gateway.access.tokens import Principal
 from gateway.config import Settings
-from gateway.errors import Conflict
+from gateway.errors import Conflict, SlurmError
 from gateway.models import FineTuningJob, Tenant, utcnow
 from gateway.services.jobreads import get_job
 from gateway.services.jobwrites import StaleJob, apply_event
@@ -122,8 +122,6 @@ def resume_job(*, session: Session, settings: Settings, principal: Principal, jo
                control: PauseControl | None) -> FineTuningJob:
     """Resume a paused job: ``queued`` again, the hold released; it continues from its newest
     checkpoint when Slurm starts it. Conflict (409) unless it is paused."""
-    from gateway.errors import SlurmError
-
     job = get_job(session=session, principal=principal, job_id=job_id)     # a foreign id: 404 in any mode
     if control is None or settings.local:
         raise Conflict("pausing needs Slurm: this gateway runs jobs in local mode", code="not_supported")

@@ -13,10 +13,11 @@ from gateway.access.tokens import Principal
 from gateway.config import Settings
 from gateway.errors import NotFound, ServiceError
 from gateway.models import DataFile, FineTuningJob, utcnow
+from gateway.services.files import file_parts
 from gateway.services.jobreads import tenant_id_of
 from gateway.services.jobwrites import update_fields
 from gateway.state import JobState
-from gateway.storage import layout
+from gateway.storage import layout, storage_for
 
 CHECKPOINT_MODEL = re.compile(r"^(ft:.+):ckpt-step-([1-9][0-9]{0,8})$")
 """A checkpoint's model name (OpenAI's ``fine_tuned_model_checkpoint``): the job's model, ``:ckpt-step-<n>``."""
@@ -68,9 +69,6 @@ def delete_model(*, session: Session, settings: Settings, principal: Principal, 
     """Delete a fine-tuned model: its result files, checkpoints and staging leave the tenant's
     storage (removed as the tenant, by name beneath its root: a link planted there is removed
     itself, never followed), and the job no longer names a model."""
-    from gateway.services.files import file_parts
-    from gateway.storage import storage_for
-
     assert principal.tenant_name is not None and job.tenant_id == principal.tenant_id
     paths: list[layout.Parts] = []
     for f in session.exec(select(DataFile).where(DataFile.job_id == job.id, col(DataFile.deleted_at).is_(None))):
@@ -94,7 +92,7 @@ def fine_tuned_models(*, session: Session, principal: Principal) -> list[FineTun
 def delete_fine_tuned_model(*, session: Session, settings: Settings, principal: Principal, model_id: str) -> None:
     """Delete the tenant's fine-tuned model ``model_id`` (``delete_model``). Raises Forbidden for a
     principal without a tenant, ServiceError (``forbidden``) for a base model, NotFound otherwise."""
-    from trainer import catalog
+    from trainer import catalog  # lazy: the trainer side (catalog), only to tell a base model's name
 
     tid = tenant_id_of(principal)
     job = session.exec(select(FineTuningJob).where(FineTuningJob.tenant_id == tid,

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
 from gateway.access.tokens import Principal
-from gateway.errors import NotFound
+from gateway.errors import Forbidden, NotFound
 from gateway.models import FineTuningJob, JobCheckpoint, JobEvent
 
 INTERNAL_PROGRESS = frozenset({"failure", "node", "counted_step", "window", "seen_at", "checkpoint_at", "fired"})
@@ -23,8 +23,6 @@ INTERNAL_PROGRESS = frozenset({"failure", "node", "counted_step", "window", "see
 def tenant_id_of(principal: Principal) -> int:
     """The caller's tenant id; Forbidden for a principal without a tenant (staff, admins)."""
     if principal.tenant_id is None:
-        from gateway.errors import Forbidden
-
         raise Forbidden("this route needs a tenant token (member or tenant admin)")
     return principal.tenant_id
 

@@ -16,6 +16,7 @@ import sqlalchemy as sa
 from sqlmodel import Session, col
 
 from gateway.models import FineTuningJob, JobEvent, utcnow
+from gateway.services import webhooks
 from gateway.state import TERMINAL, Event, JobState, transition
 
 
@@ -33,8 +34,6 @@ def apply_event(session: Session, job: FineTuningJob, event: Event, *, message: 
     add_event(session, job.id, message or f"Job {new.value.replace('_', ' ')}", level=level,
               data={"status": new.value})
     if new in TERMINAL and before not in TERMINAL:
-        from gateway.services import webhooks
-
         webhooks.enqueue(session, job, new)     # the outbox: in this transaction, or not at all
     return new
 
