@@ -152,7 +152,7 @@ def dpo_terms(policy: torch.Tensor, reference: torch.Tensor, beta: float) -> tup
     ``policy``/``reference``: ``(n, 2)`` summed log-probabilities (chosen, rejected).
     Returns ``(loss (n,), rewards (n, 2))`` with ``rewards = beta * (policy - reference)``.
     """
-    import torch.nn.functional as F
+    import torch.nn.functional as F  # lazy: torch; reading and packing pairs need none of it
 
     rewards = beta * (policy - reference.to(policy.device, policy.dtype))
     return -F.logsigmoid(rewards[:, 0] - rewards[:, 1]), rewards
@@ -173,7 +173,7 @@ class PreferenceSums:
 
     def add(self, loss: torch.Tensor, rewards: torch.Tensor, policy: torch.Tensor, tokens: int) -> None:
         """Add one row's pairs (detached values)."""
-        import torch
+        import torch  # lazy: torch; reading and packing pairs need none of it
 
         loss, rewards, policy = loss.detach().double(), rewards.detach().double(), policy.detach().double()
         margin = rewards[:, 0] - rewards[:, 1]
@@ -218,7 +218,7 @@ def preference_metrics(sums: PreferenceSums) -> dict[str, float | None]:
 
 
 def _row_policy(model: Any, row: PairRow) -> torch.Tensor:
-    from trainer.model import row_logps
+    from trainer.model import row_logps  # lazy: trainer.model imports torch
 
     return row_logps(model, row.row).view(-1, 2)
 
@@ -240,7 +240,7 @@ def accumulate_pair_gradients(model: Any, rows: list[PairRow], total_pairs: int,
 def _scored(model: Any, rows: list[PairRow], check: Callable[[], None] | None) -> Iterator[tuple[PairRow, Any]]:
     """Yield each row with its ``(pairs, 2)`` log-probabilities, in eval mode without gradients
     (``check`` before each row; train mode again afterwards)."""
-    import torch
+    import torch  # lazy: torch; reading and packing pairs need none of it
 
     model.eval()
     try:
@@ -267,7 +267,7 @@ def reference_logps(model: Any, rows: list[PairRow], n_pairs: int, check: Callab
                     ) -> torch.Tensor:
     """The ``(n_pairs, 2)`` summed log-probabilities of the pairs of ``rows`` under ``model`` as it is now
     (eval mode, no gradients); pairs not in ``rows`` (another rank's) stay 0, so ranks can add theirs up."""
-    import torch
+    import torch  # lazy: torch; reading and packing pairs need none of it
 
     out = torch.zeros(n_pairs, 2, dtype=torch.float32)
     for row, policy in _scored(model, rows, check):

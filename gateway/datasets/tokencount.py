@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -27,7 +28,7 @@ class HFTokenCounter:
     """
 
     def __init__(self, model_dir: Path, name: str):
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # lazy: the tokenizer library, only when a model's file is validated
 
         self.name = name
         self.tok = AutoTokenizer.from_pretrained(str(model_dir))
@@ -83,8 +84,6 @@ class HFTokenCounter:
 
 def _names(normalizer: Any) -> list[str]:
     """Class names of a (possibly nested Sequence) normalizer, from its repr."""
-    import re
-
     return re.findall(r"([A-Za-z]+)\(", repr(normalizer))
 
 
@@ -99,7 +98,7 @@ def counter_for(models_root: Path, name: str | None) -> HFTokenCounter | None:
     if not name:
         return None
     try:
-        from trainer import catalog
+        from trainer import catalog  # lazy: the trainer side (catalog), read per validated upload
 
         entry = next((e for e in catalog.list_models(models_root) if e.name == name), None)
         if entry is None:
