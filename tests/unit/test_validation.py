@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gateway.datasets.validation import Validator, validate_lines, validate_stream
+from gateway.datasets.validation import LineSplitter, Validator, validate_lines, validate_stream
 
 DATASETS = Path(__file__).parent.parent / "data" / "datasets"
 EXPECTED: dict[str, dict[str, Any]] = json.loads((DATASETS / "expected.json").read_text())
@@ -80,8 +80,6 @@ def test_chunk_boundaries_do_not_matter(seed: int) -> None:
 
 def test_overlong_line_is_cut_not_buffered() -> None:
     v = Validator(max_line_bytes=1000)
-    from gateway.datasets.validation import LineSplitter
-
     s = LineSplitter(v)
     for _ in range(1000):
         s.feed(b"a" * 1000)           # one 1 MB line, fed in 1 KB chunks
@@ -112,6 +110,11 @@ def test_blank_lines_ignored_and_crlf_accepted() -> None:
     (b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "weight": true}]}',
      "bad_weight"),
     (b'{"messages": [{"role": "user"}, {"role": "assistant", "content": "b"}]}', "bad_content"),
+    (b'{"messages": [{"role": "user", "content": "a", "name": null}, {"role": "assistant", "content": "b"}]}',
+     "bad_name"),
+    (b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "weight": null}]}',
+     "bad_weight"),
+    (b'{"messages": [{"role": "user", "content": "' + b"1" * 5000 + b'"}], "x": ' + b"1" * 5000 + b"}", "not_json"),
     (b'{"messages": {"role": "user"}}', "missing_messages"),
     (b'{"prompt": "x", "completion": "y"}', "unknown_key"),
     (b'"just a string"', "not_object"),

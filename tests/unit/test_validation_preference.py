@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gateway.datasets.validation import validate_lines, validate_stream
+from gateway.datasets.validation import LineSplitter, Validator, validate_lines, validate_stream
 
 CANARY = "CANARY-9b1e"
 
@@ -225,8 +225,6 @@ def test_length_rule_on_the_longer_sequence_outside_the_sample(with_bound: bool)
 
 
 def test_the_bound_skips_exact_counting_of_provably_short_pairs() -> None:
-    from gateway.datasets.validation import LineSplitter, Validator
-
     data = b"\n".join(good_lines(3000)) + b"\n"
     counts = {}
     for with_bound in (False, True):
