@@ -6,7 +6,6 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 from gateway.config import Settings
 from gateway.errors import ServiceError
@@ -16,8 +15,10 @@ from gateway.slurm.admin import Admin
 from gateway.slurm.local import QOS as LOCAL_QOS
 from gateway.slurm.render import JobScript
 from gateway.slurm.scheduler import Scheduler
-from gateway.storage import TenantRunner, storage_for
+from gateway.storage import TenantRunner, layout, storage_for
 from gateway.storage.layout import unix_user_for
+from trainer.contract import jobdir
+from trainer.contract.spec import JobSpec
 
 Submit = jobcreate.Submit        # the seam services call; Submitter is its implementation
 
@@ -76,7 +77,7 @@ class Submitter:
         estimate and submission use it); ServiceError naming the limit if no tier allows the GPUs."""
         return pick_qos(self.allowed_qos(tenant), minutes, gpus)
 
-    def __call__(self, job: FineTuningJob, spec: dict[str, Any], tenant: str) -> tuple[int, str]:
+    def __call__(self, job: FineTuningJob, spec: JobSpec, tenant: str) -> tuple[int, str]:
         qos = self.qos_for(tenant, job.time_limit_min or 60, job.gpus)
         script = self._script(job, spec, tenant, qos)
         if self.settings.local:      # no tenant users: the local scheduler runs it as this user
@@ -87,12 +88,13 @@ class Submitter:
         return self.client.submit(script, user=unix_user_for(tenant),
                                   runner=TenantRunner(storage_for(self.settings).tenant(tenant))), qos
 
-    def _script(self, job: FineTuningJob, spec: dict[str, Any], tenant: str, qos: str,
+    def _script(self, job: FineTuningJob, spec: JobSpec, tenant: str, qos: str,
                 write: bool = True) -> JobScript:
-        spec_path = storage_for(self.settings).tenant(tenant).write_spec(job.id, spec) if write \
-            else f"{spec['job_dir']}/spec.json"                  # a dry run (estimate) writes nothing
+        store = storage_for(self.settings).tenant(tenant)
+        spec_path = store.write_spec(job.id, spec) if write \
+            else store.absolute(layout.job_file(job.id, jobdir.SPEC))   # a dry run (estimate) writes nothing
         return JobScript(
-            job_name=job.id, account=tenant, qos=qos, job_dir=spec["job_dir"],
+            job_name=job.id, account=tenant, qos=qos, job_dir=spec.job_dir,
             command=(str(self.settings.runtime_python), "-m", "trainer", "run", str(spec_path)),
             gpus=job.gpus // job.nodes, nodes=job.nodes, cpus=self.settings.job_cpus,
             mem_mb=self.settings.job_mem_mb * (job.gpus // job.nodes),
@@ -101,7 +103,7 @@ class Submitter:
             env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                  **self.settings.test_job_env})   # the test suite's SFT_TEST_* only (config)
 
-    def array(self, jobs: list[FineTuningJob], specs: list[dict[str, Any]], tenant: str,
+    def array(self, jobs: list[FineTuningJob], specs: list[JobSpec], tenant: str,
               name: str) -> tuple[int, list[int], str]:
         """Submit ``jobs`` as the tasks of ONE job array named ``name`` under one QOS (the one the
         longest of them gets): held, each task named after its job (which gives it a job id of its
@@ -118,7 +120,7 @@ class Submitter:
                                                        user=unix_user_for(tenant), runner=runner)
         return array_id, ids, qos
 
-    def expected_start(self, job: FineTuningJob, spec: dict[str, Any], tenant: str) -> StartEstimate:
+    def expected_start(self, job: FineTuningJob, spec: JobSpec, tenant: str) -> StartEstimate:
         """When ``job`` (not submitted) would start, and why not now: the QOS tier's per-user GPU
         limit first (``sbatch --test-only`` ignores QOS limits), then Slurm's own plan
         (``--test-only``, as the tenant: resources and priority). Local mode: now."""

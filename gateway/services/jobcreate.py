@@ -29,6 +29,7 @@ from gateway.services.jobreads import get_job, tenant_id_of
 from gateway.services.jobspec import _epochs, job_spec
 from gateway.services.jobwrites import add_event, apply_event
 from gateway.state import ACTIVE, Event, FailReason, JobState
+from trainer.contract.spec import JobSpec
 
 if TYPE_CHECKING:
     from trainer.catalog import CatalogEntry
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 class Submit(Protocol):
     """``submit(job, spec, tenant) -> (scheduler job id, qos)``: ``jobs.submission.Submitter``."""
 
-    def __call__(self, job: FineTuningJob, spec: dict[str, Any], tenant: str) -> tuple[int, str]:
+    def __call__(self, job: FineTuningJob, spec: JobSpec, tenant: str) -> tuple[int, str]:
         """Submit ``job`` as ``tenant``; return the scheduler's job id and the QOS tier used."""
         ...
 
@@ -211,7 +212,7 @@ def _widened(req: JobRequest, job: FineTuningJob) -> str | None:
 
 def prepare_job(*, session: Session, settings: Settings, principal: Principal, req: JobRequest,
                 submit: Submit, sweep_id: str | None = None, pending: int = 0,
-                check_memory: bool = True) -> tuple[FineTuningJob, dict[str, Any]]:
+                check_memory: bool = True) -> tuple[FineTuningJob, JobSpec]:
     """Validate and admit ``req``: its row (not added to the session: the caller adds it, so that
     no write, and in SQLite no write lock, happens during the checks) and its spec. ``pending``:
     jobs of the same request (a sweep's) not in the database yet, counted against the tenant's
@@ -389,7 +390,7 @@ def _admit(session: Session, settings: Settings, tid: int, tokens: int, minutes:
                            code="limit_exceeded")
 
 
-def submit_job(*, session: Session, job: FineTuningJob, spec: dict[str, Any], tenant: str,
+def submit_job(*, session: Session, job: FineTuningJob, spec: JobSpec, tenant: str,
                submit: Submit) -> None:
     """Run sbatch through ``submit`` and record the outcome (QUEUED, or FAILED with Slurm's words)."""
     from gateway.errors import SlurmError

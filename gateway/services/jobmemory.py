@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.config import Settings
 from gateway.errors import ServiceError
+from trainer.contract.spec import JobSpec
 
 if TYPE_CHECKING:
     from trainer.catalog import CatalogEntry
@@ -70,12 +71,10 @@ def memory_limit(settings: Settings) -> tuple[str, str, int | None]:
     return partition, "cpu", settings.job_mem_mb * (1 << 20)
 
 
-def memory_check(settings: Settings, spec: dict[str, Any], shape: ModelShape) -> MemoryCheck:
-    """The :class:`MemoryCheck` of a validated ``spec`` on a model of ``shape``."""
-    from trainer.contract.spec import parse_spec
+def memory_check(settings: Settings, job: JobSpec, shape: ModelShape) -> MemoryCheck:
+    """The :class:`MemoryCheck` of the spec ``job`` on a model of ``shape``."""
     from trainer.memory import estimate_job
 
-    job = parse_spec(spec)
     partition, device, limit = memory_limit(settings)
     est = estimate_job(shape, job.hyperparameters, method=job.method, world_size=job.world_size, fsdp=job.fsdp,
                        device="cuda" if device == "cuda" else "cpu")

@@ -16,7 +16,8 @@ from gateway.config import Settings
 from gateway.errors import ServiceError
 from gateway.models import DataFile, FineTuningJob
 from gateway.storage import layout
-from trainer.contract.spec import HYPERPARAMETER_BOUNDS, HYPERPARAMETER_DEFAULTS
+from trainer.contract.errors import SpecError
+from trainer.contract.spec import HYPERPARAMETER_BOUNDS, HYPERPARAMETER_DEFAULTS, JobSpec, parse_spec
 
 if TYPE_CHECKING:
     from trainer.catalog import CatalogEntry
@@ -43,13 +44,11 @@ def job_dir(settings: Settings, tenant: str, job_id: str) -> str:
 
 
 def job_spec(settings: Settings, tenant: str, job: FineTuningJob, train: DataFile,
-             val: DataFile | None, entry: CatalogEntry, init: DataFile | None = None) -> dict[str, Any]:
-    """The trainer's spec for ``job`` of ``tenant`` (plain values: creation and recovery build
-    it the same way); ``init``: the parent's adapter tar (continued training). ServiceError
+             val: DataFile | None, entry: CatalogEntry, init: DataFile | None = None) -> JobSpec:
+    """The trainer's spec for ``job`` of ``tenant``, typed (creation and recovery build it the
+    same way); ``init``: the parent's adapter tar (continued training). ServiceError
     naming the field if it is invalid."""
     from gateway.services.files import file_parts
-    from trainer.contract.errors import SpecError
-    from trainer.contract.spec import parse_spec
 
     hp = dict(job.hyperparameters or {})
     top = {k: hp.pop(k) for k in ("checkpoint_every_steps", "keep_checkpoints") if k in hp}
@@ -72,25 +71,20 @@ def job_spec(settings: Settings, tenant: str, job: FineTuningJob, train: DataFil
         **({"method": job.method} if job.method != "supervised" else {}),
     }
     try:
-        parse_spec(spec)
+        return parse_spec(spec)    # typed from here on: the broker writes exactly this (spec_file_text)
     except SpecError as e:
         raise ServiceError(f"invalid hyperparameters: {e}", param="hyperparameters") from e
-    return spec
 
 
-def saved_spec_matches(saved: bytes | None, expected: dict[str, Any]) -> bool:
+def saved_spec_matches(saved: bytes | None, expected: JobSpec) -> bool:
     """Whether a spec.json read back from tenant storage (untrusted: the tenant can rewrite it) is
-    exactly the spec the gateway would write now: parsed and validated, then compared."""
-    from trainer.contract.errors import SpecError
-    from trainer.contract.spec import parse_spec
-
+    the spec the gateway would write now: parsed and validated, then compared field by field."""
     if saved is None or len(saved) > 1 << 20:
         return False
     try:
         spec = json.loads(saved)
         if not isinstance(spec, dict):
             return False
-        parse_spec(spec)
+        return parse_spec(spec) == expected
     except (ValueError, SpecError, TypeError):
         return False
-    return bool(spec == expected and spec.get("job_dir") == expected["job_dir"])

@@ -24,6 +24,7 @@ from gateway.services import jobcreate, jobspec, publish
 from gateway.services.jobwrites import apply_event
 from gateway.state import Cleanup, Event, FailReason
 from gateway.storage import Storage, layout
+from trainer.contract.spec import Hyperparameters, spec_data, spec_hash
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,6 @@ def build_lineage(*, session: Session, settings: Settings, job: FineTuningJob, t
     it reported is the gateway's: then the
     hyperparameters here are the ones it trained with.
     """
-    from trainer.contract.spec import Hyperparameters, parse_spec, spec_hash
-
     train = session.get(DataFile, job.training_file)
     val = session.get(DataFile, job.validation_file) if job.validation_file else None
     init = session.get(DataFile, job.init_file) if job.init_file else None
@@ -74,8 +73,8 @@ def build_lineage(*, session: Session, settings: Settings, job: FineTuningJob, t
     try:
         entry = jobcreate.catalog_entry(settings, job.model)
         if train is not None:
-            spec = jobspec.job_spec(settings, tenant, job, train, val, entry, init)
-            ours = spec_hash(parse_spec(spec))
+            typed = jobspec.job_spec(settings, tenant, job, train, val, entry, init)
+            spec, ours = spec_data(typed), spec_hash(typed)
     except ServiceError:
         ours = None   # the base left the catalog: the record says it could not check
     raw_manifest, raw_eval = built.get("manifest"), built.get("evaluation")

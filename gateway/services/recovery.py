@@ -7,7 +7,6 @@ Imports the models, the job services and storage; used by the reconciler's recov
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from sqlmodel import Session
 
@@ -16,12 +15,13 @@ from gateway.errors import ServiceError
 from gateway.models import DataFile, FineTuningJob, Tenant
 from gateway.services import jobcreate, jobspec
 from gateway.storage import Storage
+from trainer.contract.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
 
 def resubmittable_spec(*, session: Session, settings: Settings, storage: Storage, job: FineTuningJob,
-                       tenant: Tenant) -> dict[str, Any] | None:
+                       tenant: Tenant) -> JobSpec | None:
     """The spec to submit again, rebuilt from the job's row; None if the job can no longer run
     (a file deleted, the base model gone or changed). A spec.json left in tenant storage is
     untrusted (the tenant can rewrite it): it is parsed, validated and compared, and a mismatch
@@ -38,7 +38,7 @@ def resubmittable_spec(*, session: Session, settings: Settings, storage: Storage
     return spec
 
 
-def _rebuilt_spec(session: Session, settings: Settings, job: FineTuningJob, tenant: Tenant) -> dict[str, Any] | None:
+def _rebuilt_spec(session: Session, settings: Settings, job: FineTuningJob, tenant: Tenant) -> JobSpec | None:
     train = session.get(DataFile, job.training_file)
     val = session.get(DataFile, job.validation_file) if job.validation_file else None
     init = session.get(DataFile, job.init_file) if job.init_file else None

@@ -26,6 +26,7 @@ from gateway.errors import NotFound, ServiceError, SlurmError
 from gateway.models import FineTuningJob, Sweep, new_id, utcnow
 from gateway.services import jobcontrol, jobcreate, jobreads, jobwrites
 from gateway.state import ACTIVE, Event, FailReason, JobState, SweepState
+from trainer.contract.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +54,13 @@ class SweepRequest:
 class ArraySubmit(Protocol):
     """A ``Submit`` that can also submit several jobs as one job array (``Submitter``)."""
 
-    def __call__(self, job: FineTuningJob, spec: dict[str, Any], tenant: str) -> tuple[int, str]: ...
+    def __call__(self, job: FineTuningJob, spec: JobSpec, tenant: str) -> tuple[int, str]: ...
 
     def qos_for(self, tenant: str, minutes: int, gpus: int = 1) -> str:
         """The QOS a job of ``minutes`` on ``gpus`` GPUs gets."""
         ...
 
-    def array(self, jobs: list[FineTuningJob], specs: list[dict[str, Any]], tenant: str,
+    def array(self, jobs: list[FineTuningJob], specs: list[JobSpec], tenant: str,
               name: str) -> tuple[int, list[int], str]:
         """Submit ``jobs`` as one job array: (array id, each job's Slurm job id, qos)."""
         ...
@@ -108,7 +109,7 @@ def create_sweep(*, session: Session, settings: Settings, principal: Principal, 
                            param=f"hyperparameters.{overlap[0]}")
     sweep = Sweep(id=new_id("ftsweep"), tenant_id=tid, model=req.model, grid=req.grid, job_ids=[],
                   suffix=req.suffix)
-    runs: list[tuple[FineTuningJob, dict[str, Any]]] = []
+    runs: list[tuple[FineTuningJob, JobSpec]] = []
     for point in points:           # every run checked and admitted before anything is written
         run = jobcreate.JobRequest(training_file=req.training_file, model=req.model,
                                   validation_file=req.validation_file,
@@ -131,7 +132,7 @@ def create_sweep(*, session: Session, settings: Settings, principal: Principal, 
     return sweep
 
 
-def _submit_array(session: Session, sweep: Sweep, runs: list[tuple[FineTuningJob, dict[str, Any]]],
+def _submit_array(session: Session, sweep: Sweep, runs: list[tuple[FineTuningJob, JobSpec]],
                   tenant: str, submit: ArraySubmit) -> None:
     jobs, specs = [job for job, _ in runs], [spec for _, spec in runs]
     try:

@@ -15,7 +15,6 @@ could attack them.
 
 from __future__ import annotations
 
-import json
 import os
 import pwd
 import socket
@@ -39,6 +38,8 @@ from gateway.slurm.runner import TENANT_SBATCH, CommandResult
 from gateway.storage import launch, layout, safefs
 from gateway.storage.broker import BrokerError, recv_msg, reply_error, run_verb, send_msg
 from gateway.storage.verbs import Reply
+from trainer.contract import jobdir
+from trainer.contract.spec import JobSpec, spec_file_text
 
 __all__ = ["Storage", "TenantRunner", "TenantStorage", "Upload", "create_tenant_root",
            "layout", "storage_for"]
@@ -252,10 +253,10 @@ class TenantStorage:
         return r.blobs[0] if r.result.get("found") and r.blobs else None
 
     # writes
-    def write_spec(self, job_id: str, spec: dict[str, Any]) -> str:
+    def write_spec(self, job_id: str, spec: JobSpec) -> str:
         """Write ``spec`` as the job's spec.json (atomically, creating its directory); returns the absolute path."""
-        self._call("write_spec", {"job_id": job_id, "spec": json.dumps(spec, indent=1)})
-        return self.absolute(layout.job_file(job_id, "spec.json"))
+        self._call("write_spec", {"job_id": job_id, "spec": spec_file_text(spec)})
+        return self.absolute(layout.job_file(job_id, jobdir.SPEC))
 
     def remove(self, paths: list[layout.Parts]) -> int:
         """Remove these paths (files or trees, links never followed); returns how many existed."""

@@ -25,6 +25,7 @@ from gateway.slurm.runner import LocalRunner
 from gateway.storage import Storage, TenantRunner, layout
 from tests.hostile.conftest import ATTACKER, STORAGE, VICTIM, Snap, as_tenant, uid_of
 from tests.slurm.livegateway import LiveGateway, chat_file
+from trainer.contract.spec import JobSpec, parse_spec, spec_data, spec_file_text
 
 pytestmark = pytest.mark.hostile
 ROOT_A = STORAGE / "tenants" / ATTACKER
@@ -251,12 +252,19 @@ def test_publication_build_dir_swapped_for_a_link(gw: LiveGateway, victim_root_d
     assert Snap.of(victim_root_dir) == before and not (ROOT_A / "artifacts" / name).exists()
 
 
+def _any_spec(job_id: str, job_dir: str) -> JobSpec:
+    return parse_spec({"job_id": job_id, "job_dir": job_dir,
+                       "base_model": {"name": "m", "digest": "sha256:" + "0" * 64},
+                       "train": {"path": "/t.jsonl", "sha256": "0" * 64}})
+
+
 def test_tampered_spec_is_never_submitted(gw: LiveGateway) -> None:
     from gateway.services.jobspec import saved_spec_matches
 
-    spec = {"job_id": "x", "job_dir": str(ROOT_A / "jobs" / "x")}
-    planted = dict(spec, job_dir=str(STORAGE / "tenants" / VICTIM / "jobs" / "x"))
+    spec = _any_spec("x", str(ROOT_A / "jobs" / "x"))
+    planted = dict(spec_data(spec), job_dir=str(STORAGE / "tenants" / VICTIM / "jobs" / "x"))
     assert not saved_spec_matches(json.dumps(planted).encode(), spec)
+    assert saved_spec_matches(spec_file_text(spec).encode(), spec)      # the gateway's own file matches
     assert not saved_spec_matches(b"\x00" * 100, spec)
 
 
@@ -279,7 +287,7 @@ def test_job_environment_has_no_gateway_secret(gw: LiveGateway, monkeypatch: pyt
     monkeypatch.setenv("SFT_API_TOKEN", "sft_gateway-env-secret-canary")
     jid = new_id("ftjob")
     store = _store().tenant(ATTACKER)
-    store.write_spec(jid, {"job_id": jid})
+    store.write_spec(jid, _any_spec(jid, str(ROOT_A / "jobs" / jid)))
     job_dir = str(ROOT_A / "jobs" / jid)
     script = JobScript(job_name=jid, account=ATTACKER, qos="ft-small", job_dir=job_dir,
                        command=("/usr/bin/env",), gpus=1, cpus=1, mem_mb=256, time_limit_min=5,
@@ -317,7 +325,7 @@ def test_sbatch_errors_come_back_through_the_broker(gw: LiveGateway) -> None:
 
     jid = new_id("ftjob")
     store = _store().tenant(ATTACKER)
-    store.write_spec(jid, {"job_id": jid})
+    store.write_spec(jid, _any_spec(jid, str(ROOT_A / "jobs" / jid)))
     script = JobScript(job_name=jid, account=VICTIM, qos="ft-small", job_dir=str(ROOT_A / "jobs" / jid),
                        command=("/bin/true",), mem_mb=256, time_limit_min=5)
     with pytest.raises(SlurmCommandError, match="Invalid account") as e:

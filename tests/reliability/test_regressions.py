@@ -83,7 +83,6 @@ def test_gateway_killed_before_spec_json_resubmits_from_the_row(tmp_path, monkey
     # returned that failed job: the promise "a crash loses nothing" was broken.
     from datetime import timedelta
     from types import SimpleNamespace
-    from typing import Any
 
     from sqlmodel import Session
 
@@ -93,6 +92,7 @@ def test_gateway_killed_before_spec_json_resubmits_from_the_row(tmp_path, monkey
     from gateway.models import DataFile, FineTuningJob, Tenant, utcnow
     from gateway.slurm import JobScript, SlurmClient
     from tests.slurmfake import FakeSlurm
+    from trainer.contract.spec import JobSpec
 
     settings = Settings(storage_root=tmp_path / "s", database_url=f"sqlite:///{tmp_path / 'g.db'}",
                         submission_grace_s=0)
@@ -114,18 +114,18 @@ def test_gateway_killed_before_spec_json_resubmits_from_the_row(tmp_path, monkey
         s.add(job)
         s.commit()
         jid = job.id
-    specs: list[dict[str, Any]] = []
+    specs: list[JobSpec] = []
 
-    def submit(job: FineTuningJob, spec: dict[str, Any], tenant: str) -> tuple[int, str]:
+    def submit(job: FineTuningJob, spec: JobSpec, tenant: str) -> tuple[int, str]:
         specs.append(spec)
-        return client.submit(JobScript(job.id, tenant, "ft-small", spec["job_dir"], ("true",))), "ft-small"
+        return client.submit(JobScript(job.id, tenant, "ft-small", spec.job_dir, ("true",))), "ft-small"
 
     Reconciler(engine, settings, client, submit).cycle()
     with Session(engine) as s:
         row = s.get(FineTuningJob, jid)
         assert row is not None and row.status == "queued", (row.status if row else None, row.error if row else None)
-    assert len(specs) == 1 and specs[0]["job_id"] == jid and specs[0]["checkpoint_every_steps"] == 3
-    assert specs[0]["train"]["sha256"] == "0" * 64 and specs[0]["base_model"]["digest"] == digest
+    assert len(specs) == 1 and specs[0].job_id == jid and specs[0].checkpoint_every_steps == 3
+    assert specs[0].train.sha256 == "0" * 64 and specs[0].base_model.digest == digest
 
 
 def test_short_writes_never_truncate_an_upload(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]

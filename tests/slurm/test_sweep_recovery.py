@@ -14,6 +14,7 @@ import pytest
 from sqlmodel import Session, select
 
 from tests.slurm.livegateway import FAST_HP, MODEL, LiveGateway, chat_file, terminal
+from trainer.contract.spec import JobSpec
 
 pytestmark = pytest.mark.slurm
 T = "t-sweep-crash"
@@ -49,13 +50,13 @@ def _interrupted_sweep(gw: LiveGateway, train: str, val: str) -> tuple[list[str]
     seen: dict[str, Any] = {}
 
     class DiesAfterNamingTask0:
-        def __call__(self, job: Any, spec: dict[str, Any], tenant: str) -> tuple[int, str]:
+        def __call__(self, job: Any, spec: JobSpec, tenant: str) -> tuple[int, str]:
             return real(job, spec, tenant)
 
         def qos_for(self, tenant: str, minutes: int, gpus: int = 1) -> str:
             return real.qos_for(tenant, minutes, gpus)
 
-        def array(self, jobs: list[Any], specs: list[dict[str, Any]], tenant: str,
+        def array(self, jobs: list[Any], specs: list[JobSpec], tenant: str,
                   name: str) -> tuple[int, list[int], str]:
             qos = real.qos_for(tenant, 60)
             scripts = [real._script(j, s, tenant, qos) for j, s in zip(jobs, specs, strict=True)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from gateway.models import DataFile, FineTuningJob
 from gateway.services.jobspec import job_spec
 from gateway.storage.layout import result_path
 from trainer.catalog import CatalogEntry
-from trainer.contract.spec import parse_spec, spec_hash
+from trainer.contract.spec import JobSpec, parse_spec, spec_data, spec_file_text, spec_hash
 
 SHA = "a" * 64
 ART = "art-" + "d" * 24
@@ -25,7 +26,7 @@ def _spec(tmp_path: Path, hp: dict[str, object] | None = None, **settings: objec
     train = DataFile(id="file-1", tenant_id=1, filename="t.jsonl", bytes=10, sha256=SHA)
     job = FineTuningJob(id="ftjob-" + "c" * 24, tenant_id=1, training_file="file-1", model="tiny-chat",
                         hyperparameters=to_ours(hp or {}))
-    return job_spec(s, "acme", job, train, None, ENTRY)
+    return spec_data(job_spec(s, "acme", job, train, None, ENTRY))   # what spec.json holds
 
 
 def test_default_device_leaves_the_spec_and_its_hash_as_before(tmp_path: Path) -> None:
@@ -57,7 +58,7 @@ def test_a_gang_job_asks_the_trainer_for_one_rank_per_gpu(tmp_path: Path) -> Non
     train = DataFile(id="file-1", tenant_id=1, filename="t.jsonl", bytes=10, sha256=SHA)
     job = FineTuningJob(id="ftjob-" + "c" * 24, tenant_id=1, training_file="file-1", model="tiny-chat",
                         hyperparameters={}, gpus=4, nodes=2)
-    spec = job_spec(s, "acme", job, train, None, ENTRY)
+    spec = spec_data(job_spec(s, "acme", job, train, None, ENTRY))
     assert spec["world_size"] == 4 and parse_spec(spec).world_size == 4
     assert "world_size" not in _spec(tmp_path)          # one GPU: the spec (and its hash) as before
     sharded = FineTuningJob(id="ftjob-" + "d" * 24, tenant_id=1, training_file="file-1", model="tiny-chat",
@@ -116,7 +117,7 @@ def _dpo_spec(tmp_path: Path, hp: dict[str, object]) -> dict[str, object]:
     train = DataFile(id="file-1", tenant_id=1, filename="p.jsonl", bytes=10, sha256=SHA)
     job = FineTuningJob(id="ftjob-" + "f" * 24, tenant_id=1, training_file="file-1", model="tiny-chat",
                         hyperparameters=to_ours(hp), method="dpo")
-    return job_spec(s, "acme", job, train, None, ENTRY)
+    return spec_data(job_spec(s, "acme", job, train, None, ENTRY))
 
 
 def test_a_dpo_job_tells_the_trainer_its_method_and_beta(tmp_path: Path) -> None:
@@ -190,3 +191,36 @@ def test_the_gateway_adds_only_test_variables_to_a_jobs_environment(tmp_path: Pa
         Settings(storage_root=tmp_path, database_url="sqlite://", test_job_env={"PATH": "/evil"})
     s = Settings(storage_root=tmp_path, database_url="sqlite://", test_job_env={"SFT_TEST_TIER": "1"})
     assert s.test_job_env == {"SFT_TEST_TIER": "1"}
+
+
+def test_the_gateway_keeps_the_typed_spec_and_writes_exactly_it(tmp_path: Path) -> None:
+    """``job_spec`` returns the parsed ``JobSpec`` (not a dict whose parse is thrown away); the file the
+    broker writes (``spec_file_text``) reads back equal, with the same hash, and a tampered one does not."""
+    from gateway.services.jobspec import saved_spec_matches
+
+    s = Settings(storage_root=tmp_path, database_url="sqlite://", job_device="cuda")
+    train = DataFile(id="file-1", tenant_id=1, filename="t.jsonl", bytes=10, sha256=SHA)
+    job = FineTuningJob(id="ftjob-" + "c" * 24, tenant_id=1, training_file="file-1", model="tiny-chat",
+                        hyperparameters=to_ours({"n_epochs": 2, "learning_rate_multiplier": 2, "lora_r": 8}))
+    spec = job_spec(s, "acme", job, train, None, ENTRY)
+    assert isinstance(spec, JobSpec) and spec.hyperparameters.epochs == 2 and spec.device == "cuda"
+    text = spec_file_text(spec)
+    assert parse_spec(json.loads(text)) == spec and spec_hash(parse_spec(json.loads(text))) == spec_hash(spec)
+    assert "warmup_steps" not in json.loads(text)["hyperparameters"]     # defaults stay the trainer's
+    assert saved_spec_matches(text.encode(), spec)
+    assert not saved_spec_matches(text.replace('"lora_r": 8', '"lora_r": 64').encode(), spec)
+
+
+def test_openai_names_are_translated_once_and_given_back() -> None:
+    from gateway.api.openai import BASE_LEARNING_RATE, to_openai
+    from trainer.contract.spec import HYPERPARAMETER_DEFAULTS
+
+    ours = to_ours({"n_epochs": 4, "learning_rate_multiplier": 10, "batch_size": 8, "lora_r": "auto"})
+    assert ours == {"epochs": 4, "learning_rate": 10 * BASE_LEARNING_RATE}
+    assert BASE_LEARNING_RATE == HYPERPARAMETER_DEFAULTS["learning_rate"]
+    assert to_openai(ours) == {"n_epochs": 4, "batch_size": "auto", "learning_rate_multiplier": 10}
+    assert to_openai({}) == {"n_epochs": HYPERPARAMETER_DEFAULTS["epochs"], "batch_size": "auto",
+                             "learning_rate_multiplier": "auto"}
+    with pytest.raises(ServiceError) as e:
+        to_ours({"learning_rate_multiplier": 0})
+    assert e.value.param == "hyperparameters.learning_rate_multiplier"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from trainer import memory
-from trainer.contract.spec import Hyperparameters
+from trainer.contract.spec import Hyperparameters, JobSpec, parse_spec
 
 pytestmark = pytest.mark.unit
 
@@ -97,9 +97,9 @@ def _settings(**kw: object):  # type: ignore[no-untyped-def]
     return Settings(**kw)  # type: ignore[arg-type]
 
 
-def _spec(**hp: object) -> dict[str, object]:
-    return {"base_model": {"name": "m", "digest": "sha256:" + "0" * 64},
-            "train": {"path": "/t.jsonl", "sha256": "0" * 64}, "job_dir": "/j", "hyperparameters": hp}
+def _spec(**hp: object) -> JobSpec:
+    return parse_spec({"base_model": {"name": "m", "digest": "sha256:" + "0" * 64},
+                       "train": {"path": "/t.jsonl", "sha256": "0" * 64}, "job_dir": "/j", "hyperparameters": hp})
 
 
 def test_memory_limit_gpu_partition_cpu_partition_and_unknown() -> None:

@@ -22,6 +22,7 @@ from gateway.slurm import JobScript, SlurmClient, SlurmCommandError
 from gateway.state import JobState
 from gateway.storage.layout import RESULT_NAMES, tenant_root
 from tests.slurmfake import FakeSlurm
+from trainer.contract.spec import JobSpec
 
 
 @pytest.fixture
@@ -119,9 +120,9 @@ def test_interrupted_submission_never_trusts_a_spec_from_tenant_storage(env: Any
     (spec_dir / "spec.json").write_text('{"job_dir": "/srv/slurm-finetune/tenants/victim/jobs/x"}')
     submitted = []
 
-    def submit(job: FineTuningJob, spec: dict[str, Any], tenant: str) -> tuple[int, str]:
+    def submit(job: FineTuningJob, spec: JobSpec, tenant: str) -> tuple[int, str]:
         submitted.append(spec)
-        return client.submit(JobScript(job.id, tenant, "ft-small", spec["job_dir"], ("true",))), "ft-small"
+        return client.submit(JobScript(job.id, tenant, "ft-small", spec.job_dir, ("true",))), "ft-small"
 
     rec = Reconciler(engine, settings, client, submit)
     rec.cycle()

@@ -380,6 +380,17 @@ def spec_to_json(spec: JobSpec) -> str:
     return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
 
+def spec_data(spec: JobSpec) -> dict[str, Any]:
+    """``spec`` as plain JSON values: the fields that were set (defaults left to the trainer, so a
+    field added later does not appear in an older job's file); :func:`parse_spec` reads it back equal."""
+    return spec.model_dump(mode="json", exclude_unset=True)
+
+
+def spec_file_text(spec: JobSpec) -> str:
+    """The text of ``spec.json`` for ``spec`` (:func:`spec_data`, indented for a reader)."""
+    return json.dumps(spec_data(spec), indent=1)
+
+
 def spec_hash(spec: JobSpec) -> str:
     """Return ``sha256:<hex>`` of the canonical JSON of ``spec``."""
     return "sha256:" + hashlib.sha256(spec_to_json(spec).encode()).hexdigest()
