@@ -159,7 +159,7 @@ def import_torch_cuda(uuids: Sequence[str]) -> Any | None:
     """
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(uuids)
     try:
-        import torch
+        import torch  # lazy: torch
     except ImportError:
         return None
     return torch if torch.cuda.is_available() else None

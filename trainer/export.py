@@ -39,6 +39,7 @@ from typing import Any
 
 from trainer.checkpoint import fsync_dir
 from trainer.contract.errors import ExportError
+from trainer.model import load_base_model
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -463,7 +464,7 @@ def _weight_problems(path: Path, r: int | None) -> list[str]:
 
 
 def _torch_dtype(name: str) -> Any:
-    import torch
+    import torch  # lazy: torch
 
     if name not in DTYPES:
         raise ExportError(f"dtype {name!r}: choose one of {', '.join(DTYPES)}")
@@ -478,8 +479,8 @@ def dequantize_linear4bit(model: Any) -> int:
     float32 holds the dequantized values exactly (NF4 code x absmax, computed in float32 on
     the CPU); a narrower dtype is applied once, after the merge.
     """
-    import bitsandbytes as bnb
-    import torch
+    import bitsandbytes as bnb  # lazy: bitsandbytes
+    import torch  # lazy: torch
 
     replaced = 0
     for name, module in list(model.named_modules()):
@@ -520,9 +521,8 @@ def merged_model(base_path: Path, adapter_dir: Path, out: Path, dtype: str = "bf
         ExportError: missing adapter files, an unknown ``dtype``, ``out`` exists, or the
             saved config still names a quantization.
     """
-    from peft import PeftModel
+    from peft import PeftModel  # lazy: peft
 
-    from trainer.model import load_base_model
 
     adapter_dir, base_path = Path(adapter_dir), Path(base_path)
     _require_adapter(adapter_dir)

@@ -46,8 +46,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainer import attention
+from trainer.attention import VARLEN
 from trainer.contract.errors import GpuUnavailableError
 from trainer.contract.spec import HYPERPARAMETER_DEFAULTS, Hyperparameters
+from trainer.heap import map_large_blocks
+from trainer.jobenv import gpu_environment, real_gpu_allocated
 from trainer.packing import IGNORE, Example, Row, micro_batches, sequence_bounds
 
 if TYPE_CHECKING:
@@ -97,9 +101,8 @@ def resolve_device(requested: str) -> str:
     Raises:
         GpuUnavailableError: ``requested`` is ``"cuda"`` and CUDA is unavailable or fails.
     """
-    import torch
+    import torch  # lazy: torch
 
-    from trainer.jobenv import gpu_environment, real_gpu_allocated
 
     device = pick_device(requested, torch.cuda.is_available(), gpu_environment(), real_gpu_allocated())
     if device == "cuda":
@@ -119,13 +122,11 @@ def attention_implementation(device: str, max_seq_len: int) -> str:
     why ("attention X: reason", at job start). Every one honours sliding windows; soft-capping
     and sinks are honoured by ``sft_varlen`` per example (``trainer.attention``), and the
     architectures ``models add`` admits are checked against eager on each (``trainer.packcheck``)."""
-    from trainer import attention
-
     if device != "cuda":
         log.info("attention %s: on the CPU, one SDPA per packed example", attention.VARLEN)
         return attention.register()
-    import torch
-    from transformers.utils import is_flash_attn_2_available
+    import torch  # lazy: torch
+    from transformers.utils import is_flash_attn_2_available  # lazy: transformers
 
     if is_flash_attn_2_available() and torch.cuda.get_device_capability()[0] >= 8:  # FA2 needs Ampere+
         try:
@@ -155,7 +156,7 @@ def compute_dtype(device: str) -> torch.dtype:
     4-bit matmuls dequantize to it, and :func:`add_lora` keeps the frozen embeddings and
     LM head in it.
     """
-    import torch
+    import torch  # lazy: torch
 
     return torch.bfloat16 if device == "cuda" else torch.float32
 
@@ -181,8 +182,8 @@ def load_base_model(path: str | Path, device: str | None = None,
     keeping only its shards (every rank reads the files, as transformers' FSDP loading does
     for a model it quantizes; rank 0's bits are then broadcast).
     """
-    import torch
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    import torch  # lazy: torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # lazy: transformers
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = staging_device(device, shardable) == "cuda"
@@ -223,7 +224,7 @@ def disable_cpu_repack(model: Any) -> int:
     without grad and never undoes it; LoRA gradients are silently wrong after
     any eval pass. Returns the number of layers patched.
     """
-    import bitsandbytes as bnb
+    import bitsandbytes as bnb  # lazy: bitsandbytes
 
     patched = 0
     for module in model.modules():
@@ -245,8 +246,8 @@ def add_lora(model: Any, hp: Hyperparameters, dropout: bool = True) -> Any:
     :func:`cast_frozen_embeddings`): autocast caches no cast of a frozen weight, so a float32
     head was cast again for every logit chunk and every recompute. LoRA weights stay float32.
     """
-    import torch
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    import torch  # lazy: torch
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training  # lazy: peft
 
     model = prepare_model_for_kbit_training(
         model,
@@ -273,7 +274,7 @@ def add_lora(model: Any, hp: Hyperparameters, dropout: bool = True) -> Any:
 
 def _loaded_compute_dtype(model: Any) -> torch.dtype | None:
     """The compute dtype :func:`load_base_model` gave the 4-bit layers (None: no 4-bit layer)."""
-    import bitsandbytes as bnb
+    import bitsandbytes as bnb  # lazy: bitsandbytes
 
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
@@ -300,7 +301,7 @@ def disable_dropout(model: Any) -> int:
     """Set every ``torch.nn.Dropout`` of ``model`` to p = 0 (TRL's ``disable_dropout_in_model``), and
     the attention dropout transformers' attention modules read from ``attention_dropout``; return how
     many modules were changed."""
-    import torch
+    import torch  # lazy: torch
 
     found = 0
     for module in model.modules():
@@ -345,7 +346,7 @@ def decoder_and_head(model: Any) -> tuple[Any, Any] | None:
 
 
 def _autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    import torch
+    import torch  # lazy: torch
 
     if device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
@@ -355,9 +356,8 @@ def _autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
 def _flash_kwargs(model: Any, row: Row, device: torch.device) -> dict[str, Any]:
     """Example boundaries for the varlen kernels (flash-attention, ``sft_varlen`` and its CPU emulation);
     empty for others. ``max_length_*`` is a python int, so the kernels never read it back from the device."""
-    import torch
+    import torch  # lazy: torch
 
-    from trainer.attention import VARLEN
 
     implementation = str(getattr(model.config, "_attn_implementation", ""))
     if not (implementation.startswith("flash_attention") or implementation.startswith(VARLEN)):
@@ -375,8 +375,8 @@ def _head_loss(
 
     ``count_correct=False`` (training) skips the argmax over the vocabulary and counts 0.
     """
-    import torch
-    import torch.nn.functional as F
+    import torch  # lazy: torch
+    import torch.nn.functional as F  # lazy: torch
 
     logits = head(hidden).float()
     loss = F.cross_entropy(logits, targets, reduction="sum")
@@ -397,9 +397,8 @@ def _trained_states(model: Any, row: Row) -> tuple[Any, torch.Tensor, torch.Tens
     On the CPU the first forward fixes glibc's mmap threshold (:mod:`trainer.heap`): else the
     heap keeps every layer's freed activations, and a 4029-token DPO row took SmolLM2 past 8 GB.
     """
-    import torch
+    import torch  # lazy: torch
 
-    from trainer.heap import map_large_blocks
 
     device = next(p.device for p in model.parameters())
     if device.type == "cpu":
@@ -433,9 +432,9 @@ def row_loss(model: Any, row: Row, chunk: int = LOGIT_CHUNK) -> tuple[torch.Tens
     serves evals only). Models outside ``_PLAIN_HEAD`` use their own forward
     with ``logits_to_keep`` (all trained positions' logits).
     """
-    import torch
-    import torch.nn.functional as F
-    from torch.utils.checkpoint import checkpoint
+    import torch  # lazy: torch
+    import torch.nn.functional as F  # lazy: torch
+    from torch.utils.checkpoint import checkpoint  # lazy: torch
 
     device = next(p.device for p in model.parameters())
     with _autocast(device):
@@ -461,7 +460,7 @@ def row_loss(model: Any, row: Row, chunk: int = LOGIT_CHUNK) -> tuple[torch.Tens
 
 def _head_logps(head: Any, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The fp32 log-probability of each target of one chunk of trained positions."""
-    import torch.nn.functional as F
+    import torch.nn.functional as F  # lazy: torch
 
     return -F.cross_entropy(head(hidden).float(), targets, reduction="none")
 
@@ -474,8 +473,8 @@ def row_logps(model: Any, row: Row, chunk: int = LOGIT_CHUNK) -> torch.Tensor:
     recomputed in backward past one chunk); the per-token log-probs are then summed per example
     (an example starts where ``position_ids`` restart at 0).
     """
-    import torch
-    from torch.utils.checkpoint import checkpoint
+    import torch  # lazy: torch
+    from torch.utils.checkpoint import checkpoint  # lazy: torch
 
     device = next(p.device for p in model.parameters())
     starts = torch.tensor([p == 0 for p in row.position_ids], device=device)
@@ -514,7 +513,7 @@ def accumulate_gradients(
     ``pad_passes`` passes of ``pad`` weighted 0 follow.
     Returns (these rows' summed loss / ``total``, ``total``).
     """
-    import torch
+    import torch  # lazy: torch
 
     if total is None:
         total = sum(row.n_targets for row in rows)
@@ -542,7 +541,7 @@ def eval_sums(
     Sharded (FSDP): ``pad_passes`` forwards of ``pad`` follow, counted nowhere,
     so every rank runs as many forwards.
     """
-    import torch
+    import torch  # lazy: torch
 
     total, tokens, correct = 0.0, 0, 0
     s1, s2, counted = 0.0, 0.0, 0

@@ -32,7 +32,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from trainer import attention
 from trainer.contract.errors import CatalogError
+from trainer.model import load_base_model, row_loss
 from trainer.packing import IGNORE, Example, Row, build_row
 
 PROBE_LENGTHS = (16, 12)
@@ -133,7 +135,7 @@ def load_config(path: str | Path, name: str) -> Any:
     Raises:
         CatalogError: transformers cannot read it.
     """
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: transformers
 
     try:
         return AutoConfig.from_pretrained(path)
@@ -143,10 +145,9 @@ def load_config(path: str | Path, name: str) -> Any:
 
 def _load(path: Path, name: str) -> tuple[Any, Any, str | None]:
     """Return (model, tokenizer, quantization): 4-bit like the trainer, float32 without bnb."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # lazy: torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: transformers
 
-    from trainer.model import load_base_model
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -161,8 +162,6 @@ def attention_paths(model: Any) -> list[str]:
     """The attention implementations the trainer may run ``model`` with: the one it was loaded
     with, the CUDA varlen path's logic (emulated, on a host without CUDA; when the model took
     ``sft_varlen``), and the dense-mask fallback (sdpa, or eager where the model refuses sdpa)."""
-    from trainer import attention
-
     loaded = str(getattr(model.config, "_attn_implementation", "sdpa"))
     paths = [loaded]
     if loaded == attention.VARLEN and next(p.device for p in model.parameters()).type != "cuda":
@@ -172,9 +171,8 @@ def attention_paths(model: Any) -> list[str]:
 
 
 def _losses(model: Any, rows: list[Row]) -> list[float]:
-    import torch
+    import torch  # lazy: torch
 
-    from trainer.model import row_loss
 
     out = []
     with torch.no_grad():
@@ -210,7 +208,7 @@ def check_packing(path: str | Path, name: str) -> dict[str, Any]:
     ``device``, ``reference``, ``sliding_window``, ``probe_lengths``). Raises:
         CatalogError: the model cannot be loaded or run, or a path trains it differently.
     """
-    import torch
+    import torch  # lazy: torch
 
     model, tokenizer, quantization = _load(Path(path), name)
     try:

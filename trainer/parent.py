@@ -29,7 +29,7 @@ def read_adapter(path: str, sha256: str) -> dict[str, torch.Tensor]:
         DatasetError: the file is unreadable, its sha256 differs from the pin, or it is
             not a tar with exactly one regular ``*/adapter_model.safetensors`` member.
     """
-    from safetensors.torch import load as load_safetensors
+    from safetensors.torch import load as load_safetensors  # lazy: safetensors
 
     try:
         actual = sha256_file(path)

@@ -17,7 +17,7 @@ router = APIRouter(prefix="/v1/models", tags=["models"])
 
 
 def _catalog(settings: Any) -> list[dict[str, Any]]:
-    from trainer import catalog
+    from trainer import catalog  # lazy: the trainer side (catalog), read per request
 
     out = []
     for e in catalog.list_models(settings.models_root):

@@ -20,6 +20,7 @@ import click
 from gateway.cli.service import broker, demo, dev_cluster, reconcile, serve
 from gateway.cli.sysadmin import admin
 from gateway.usercli import access, artifacts, audit, files, jobs, login, staff, sweeps, tokens, webhooks
+from gateway.usercli.models import bundle_model, list_aliases, promote_model, show_model
 
 
 @click.group()
@@ -35,17 +36,16 @@ for _command in (dev_cluster, admin, serve, reconcile, broker, demo,
 
 def _mount_optional_groups() -> None:
     try:
-        from accounting.cli import register
+        from accounting.cli import register  # lazy: an optional group: mounted only when its package is installed
     except ImportError:
         pass
     else:
         register(admin)
     # The model catalog's CLI imports no torch at module level, so mounting it keeps `finetune` light.
     try:
-        from trainer.cli import models
+        from trainer.cli import models  # lazy: an optional group: mounted only when its package is installed
     except ImportError:
         return
-    from gateway.usercli.models import bundle_model, list_aliases, promote_model, show_model
 
     for name, command in (("show", show_model), ("bundle", bundle_model), ("promote", promote_model),
                           ("aliases", list_aliases)):

@@ -25,7 +25,7 @@ DATASETS = "fine-tune"
 
 def catalog_names(settings: Settings) -> list[str]:
     """The base model names of the catalog, sorted."""
-    from trainer import catalog
+    from trainer import catalog  # lazy: the trainer side (catalog), read per request
 
     return sorted({e.name for e in catalog.list_models(settings.models_root)})
 

@@ -19,6 +19,7 @@ import httpx
 
 from gateway.config import get_settings
 from gateway.usercli.client import Unreachable, _echo_json, _raise_for_status, call, connection
+from trainer.contract.errors import TrainerError
 
 FORMATS = ("vllm", "merged")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -192,7 +193,7 @@ def _download_checkpoint(job_id: str, step: int, work: Path) -> tuple[str, Path]
 
 def _check_export_options(fmt: str, max_lora_rank: int | None, dtype: str | None) -> None:
     """Refuse options of the other format, and a --max-lora-rank vLLM would refuse (before any download)."""
-    from trainer.export import VLLM_MAX_LORA_RANKS
+    from trainer.export import VLLM_MAX_LORA_RANKS  # lazy: the trainer side (export), only for this command
 
     if fmt == "merged" and max_lora_rank is not None:
         raise click.UsageError("--max-lora-rank applies to --format vllm only")
@@ -225,9 +226,8 @@ def _base_model(job: dict[str, Any]) -> tuple[str, str, str | None]:
 def _export_vllm(adapter: Path, model_id: str, base: str, digest: str | None, out: Path, root: Path,
                  max_lora_rank: int | None, force: bool) -> None:
     """Write the vLLM adapter, print vLLM's loader problems (exit 1 if any), else the serving command."""
-    from trainer import catalog
-    from trainer import export as ex
-    from trainer.contract.errors import TrainerError
+    from trainer import catalog  # lazy: the trainer side (catalog), only for this command
+    from trainer import export as ex  # lazy: the trainer side (export), only for this command
 
     try:
         ex.vllm_adapter(adapter, base, out, force=force)
@@ -256,7 +256,11 @@ def _export_vllm(adapter: Path, model_id: str, base: str, digest: str | None, ou
 
 def _fitting_rank(out: Path) -> int:
     """The smallest --max-lora-rank vLLM accepts for the exported adapter's r (512 past that)."""
-    from trainer.export import DEFAULT_MAX_LORA_RANK, VLLM_MAX_LORA_RANKS, vllm_rank
+    from trainer.export import (  # lazy: the trainer side (export), only for this command
+        DEFAULT_MAX_LORA_RANK,
+        VLLM_MAX_LORA_RANKS,
+        vllm_rank,
+    )
 
     try:
         r = json.loads((out / "adapter_config.json").read_text()).get("r")
@@ -269,12 +273,11 @@ def _fitting_rank(out: Path) -> int:
 
 def _export_merged(adapter: Path, base: str, base_dir: Path, out: Path, dtype: str, force: bool) -> None:
     """Merge into ``base_dir`` (the catalog's copy of the exact base it was trained on); print how to load it."""
-    from trainer.contract.errors import TrainerError
-    from trainer.quiet import quiet_libraries
+    from trainer.quiet import quiet_libraries  # lazy: the trainer side, only for this command
 
     quiet_libraries()
     try:
-        from trainer.export import merged_model
+        from trainer.export import merged_model  # lazy: the trainer side (export), only for this command
 
         merged_model(base_dir, adapter, out, dtype=dtype, force=force)
     except ImportError as e:
@@ -290,8 +293,7 @@ def _export_merged(adapter: Path, base: str, base_dir: Path, out: Path, dtype: s
 
 def _catalog_base(root: Path, name: str, digest: str | None) -> Path:
     """The catalog directory of base ``name`` pinned by ``digest`` (its files re-hashed), or ClickException."""
-    from trainer import catalog
-    from trainer.contract.errors import TrainerError
+    from trainer import catalog  # lazy: the trainer side (catalog), only for this command
 
     if not digest:
         raise click.ClickException(f"the model record names base {name} without a digest (published before "

@@ -497,8 +497,6 @@ def lazy_imports(path: Path) -> list[tuple[int, str]]:
 
 # Files whose owners are still changing them (issue 30, helpers H1-H3): each shrinks to none.
 PENDING_LAZY: dict[str, str] = {
-    "gateway/jobs/backend.py": "H3: the reconciler's rooms and the Scheduler protocol (local mode's scheduler)",
-    "gateway/portal/admin.py": "H3: the admin pages (accounting's charts: matplotlib)",
     "gateway/services/jobcontrol.py": "H3: services/jobs.py split by concern",
     "gateway/services/jobcreate.py": "H3: services/jobs.py split by concern",
     "gateway/services/jobmemory.py": "H3: services/jobs.py split by concern",
@@ -1008,9 +1006,7 @@ def path_spellings(path: Path) -> list[tuple[int, str]]:
 
 # Outside the layout module but reviewed: "path" -> why (the broker's verbs open the layout's
 # parts beneath the tenant root; they name no component themselves unless listed here).
-ALLOWED_PATHS: dict[str, str] = {
-    "gateway/jobs/submission.py": "pending H3: a dry run's spec path (f\"{job_dir}/spec.json\"): layout or jobdir.SPEC",
-}
+ALLOWED_PATHS: dict[str, str] = {}
 
 
 def test_tenant_paths_are_spelled_only_in_the_layout_module() -> None:
