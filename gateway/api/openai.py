@@ -3,9 +3,10 @@
 A request may name a hyperparameter as OpenAI's fine-tuning API does (``n_epochs``,
 ``learning_rate_multiplier``, ``batch_size``; ``"auto"`` for our default) or as the trainer's
 spec does (``trainer.contract.spec.Hyperparameters``: ``epochs``, ``learning_rate``,
-``batch_size_tokens``...). The routes translate to ours here (:func:`to_ours`, :func:`grid_to_ours`)
-before anything reaches a service, and ``job_object`` gives OpenAI's names back
-(:func:`to_openai`); services, the database and the spec know only ours. The numbers (the
+``batch_size_tokens``...). The routes translate to ours here (:func:`to_ours`: a job's, a sweep's shared ones and each
+point of its grid) before anything reaches a service, and ``job_object`` gives OpenAI's names back
+(:func:`to_openai`); services, the database and the spec know only ours (a sweep's grid is
+recorded as the request gave it, and shown so). The numbers (the
 base learning rate behind a multiplier of 1, the epochs' range, beta's default) are the
 contract's.
 """
@@ -50,24 +51,6 @@ def to_ours(raw: Mapping[str, Any], param: str = "hyperparameters") -> dict[str,
         hp["learning_rate"] = _multiplier(hp.pop(MULTIPLIER), f"{param}.{MULTIPLIER}")
     hp.pop(BATCH_SIZE, None)
     return hp
-
-
-def grid_to_ours(grid: Mapping[str, list[Any]]) -> dict[str, list[Any]]:
-    """A sweep's grid with our names (each value translated as :func:`to_ours` does); a key named
-    both ways (``n_epochs`` and ``epochs``) is refused."""
-    out: dict[str, list[Any]] = {}
-    for key, values in grid.items():
-        ours = OURS.get(key, key)
-        if ours in out:
-            raise ServiceError(f"grid.{key} and grid.{ours} are the same hyperparameter: give it once",
-                               param=f"grid.{key}")
-        if key == EPOCHS:
-            out[ours] = [whole_epochs(v, f"grid.{key}") for v in values]
-        elif key == MULTIPLIER:
-            out[ours] = [_multiplier(v, f"grid.{key}") for v in values]
-        else:
-            out[ours] = list(values)
-    return out
 
 
 def to_openai(hp: Mapping[str, Any]) -> dict[str, Any]:

@@ -39,8 +39,9 @@ def create_sweep(body: CreateSweep, request: Request, session: SessionDep, setti
     submitter = request.app.state.submitter
     if submitter is None:
         raise ServiceError("this gateway has no Slurm connection: jobs cannot run", code="no_backend")
+    points = svc.expand(dict(body.grid), settings.max_sweep_runs, svc.GRID_KEYS + tuple(openai.OURS))
     req = svc.SweepRequest(training_file=body.training_file, validation_file=body.validation_file,
-                           model=body.model, grid=openai.grid_to_ours(body.grid),
+                           model=body.model, grid=dict(body.grid), points=[openai.to_ours(p, "grid") for p in points],
                            hyperparameters=openai.to_ours(body.hyperparameters or {}),
                            suffix=body.suffix, seed=body.seed)
     sweep = svc.create_sweep(session=session, settings=settings, principal=principal, req=req, submit=submitter)

@@ -33,9 +33,7 @@ log = logging.getLogger(__name__)
 GRID_KEYS = ("learning_rate", "epochs", "lora_r", "lora_alpha", "lora_dropout", "batch_size_tokens", "warmup_ratio",
              "weight_decay")
 """What a grid may vary: the training knobs (not the data, base or resources, which a sweep shares), by our
-names (the API also takes OpenAI's for them: ``gateway.api.openai``)."""
-OLD_GRID_KEYS = ("learning_rate_multiplier", "n_epochs")
-"""OpenAI's names, which sweeps recorded before the API translated them: shown as recorded, never created."""
+names (the API also takes OpenAI's for them and translates each point: ``gateway.api.openai``)."""
 MAX_VALUES = 8        # per hyperparameter
 
 
@@ -44,8 +42,9 @@ class SweepRequest:
     training_file: str
     validation_file: str | None
     model: str
-    grid: dict[str, list[Any]]
-    hyperparameters: dict[str, Any] = field(default_factory=dict)   # shared by every run
+    grid: dict[str, list[Any]]                                       # as the request gave it (recorded, shown)
+    hyperparameters: dict[str, Any] = field(default_factory=dict)   # shared by every run (our names)
+    points: list[dict[str, Any]] | None = None   # each run's by our names (the API's translation); None: the grid's
     suffix: str | None = None
     seed: int | None = None
 
@@ -66,14 +65,16 @@ class ArraySubmit(Protocol):
         ...
 
 
-def expand(grid: dict[str, list[Any]], max_runs: int, allowed: tuple[str, ...] = GRID_KEYS) -> list[dict[str, Any]]:
+def expand(grid: dict[str, list[Any]], max_runs: int,
+           allowed: tuple[str, ...] | None = GRID_KEYS) -> list[dict[str, Any]]:
     """The grid's points (one hyperparameter dict each), the last key varying fastest. ServiceError
     (400, naming the field) for a key a grid may not vary, an empty, repeated or non-scalar value
-    list, or more than ``max_runs`` points. ``allowed``: the names a grid may vary."""
+    list, or more than ``max_runs`` points. ``allowed``: the names a grid may vary (None: a recorded grid,
+    checked when it was created)."""
     if not isinstance(grid, dict) or not grid:
         raise ServiceError("grid must name at least one hyperparameter and its values", param="grid")
     for key, values in grid.items():
-        if key not in allowed:
+        if allowed is not None and key not in allowed:
             raise ServiceError(f"grid.{key}: a sweep varies only {', '.join(allowed)}", param=f"grid.{key}")
         if not isinstance(values, list) or not 1 <= len(values) <= MAX_VALUES:
             raise ServiceError(f"grid.{key} must be a list of 1 to {MAX_VALUES} values", param=f"grid.{key}")
@@ -102,7 +103,7 @@ def create_sweep(*, session: Session, settings: Settings, principal: Principal, 
     for param, file_id in (("training_file", req.training_file), ("validation_file", req.validation_file)):
         jobcreate.usable_file(session, principal, file_id, param)      # 404 for a file that is not the tenant's
     shared = req.hyperparameters             # our names, as the grid's (gateway.api.openai translated OpenAI's)
-    points = expand(req.grid, settings.max_sweep_runs)
+    points = req.points if req.points is not None else expand(req.grid, settings.max_sweep_runs)
     overlap = sorted(set(points[0]) & set(shared))
     if overlap:
         raise ServiceError(f"hyperparameters.{overlap[0]} is also in the grid: give it in one place",
@@ -193,7 +194,7 @@ def _valid_loss(job: FineTuningJob) -> float | None:
 def sweep_view(session: Session, sweep: Sweep) -> dict[str, Any]:
     """The comparison: every run's point, status, validation loss and eval curve, and the best run
     (the lowest validation loss among the succeeded ones; None until one has succeeded)."""
-    points = expand(sweep.grid, max(len(sweep.job_ids), 1), GRID_KEYS + OLD_GRID_KEYS)
+    points = expand(sweep.grid, max(len(sweep.job_ids), 1), allowed=None)   # as the request named them
     runs: list[dict[str, Any]] = []
     for task, job in enumerate(sweep_jobs(session, sweep)):
         curve = [[e["step"], e["loss"]] for e in (job.progress or {}).get("evals") or []

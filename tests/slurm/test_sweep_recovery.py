@@ -37,6 +37,7 @@ def _interrupted_sweep(gw: LiveGateway, train: str, val: str) -> tuple[list[str]
     """Create a 3-run sweep in the gateway's database and run its submission up to the crash point,
     with the gateway's own parts (prepare_job, Submitter's scripts, SlurmClient) against real Slurm."""
     from gateway.access.tokens import Principal, Role
+    from gateway.api.openai import to_ours
     from gateway.config import Settings
     from gateway.jobs.submission import Submitter
     from gateway.models import Sweep, Tenant
@@ -72,7 +73,7 @@ def _interrupted_sweep(gw: LiveGateway, train: str, val: str) -> tuple[list[str]
         assert tenant.id is not None
         me = Principal(token_id=0, role=Role.MEMBER, tenant_id=tenant.id, tenant_name=T, unix_user=f"sft-{T}")
         req = sweeps.SweepRequest(training_file=train, validation_file=val, model=MODEL,
-                                  grid={"lora_r": [4, 8, 16]}, hyperparameters=SHARED)
+                                  grid={"lora_r": [4, 8, 16]}, hyperparameters=to_ours(SHARED))
         with pytest.raises(Died):
             sweeps.create_sweep(session=s, settings=settings, principal=me, req=req, submit=DiesAfterNamingTask0())
         sweep = s.exec(select(Sweep).where(Sweep.tenant_id == tenant.id)).one()
