@@ -193,10 +193,10 @@ def is_broker(pid: int, socket_path: Path) -> bool:
 
 
 def stop_recorded(socket_path: Path, wait_s: float = 10.0) -> int | None:
-    """Stop the broker recorded for ``socket_path``: SIGTERM (its in-flight request children finish), and
-    SIGKILL when it has not exited within ``wait_s``; its pid, or None when no recorded broker runs. The process is
-    held by a pidfd before it is checked (``is_broker``), so a pid reused meanwhile is never signalled;
-    a pidfile naming anything else is removed and nothing is signalled."""
+    """Stop the broker recorded for ``socket_path``: SIGTERM (its in-flight request children finish),
+    SIGKILL when it has not exited within ``wait_s``; its pid, or None when no recorded broker runs.
+    The process is held by a pidfd before it is checked (``is_broker``), so a pid reused meanwhile is
+    never signalled; a pidfile naming anything else is removed and nothing is signalled."""
     path = pidfile(socket_path)
     pid = _recorded_pid(path)
     if pid is None:
