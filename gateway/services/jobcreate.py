@@ -20,7 +20,7 @@ from sqlmodel import Session, col, select
 
 from gateway.access.tokens import Principal
 from gateway.config import Settings
-from gateway.errors import Conflict, NotFound, ServiceError, TooManyJobs
+from gateway.errors import Conflict, NotFound, ServiceError, SlurmError, TooManyJobs
 from gateway.models import DataFile, FileStatus, FineTuningJob, utcnow
 from gateway.services.files import get_file
 from gateway.services.jobmemory import _model_shape, memory_check, widen_for_ranks
@@ -29,7 +29,7 @@ from gateway.services.jobreads import get_job, tenant_id_of
 from gateway.services.jobspec import _epochs, job_spec
 from gateway.services.jobwrites import add_event, apply_event
 from gateway.state import ACTIVE, Event, FailReason, JobState
-from trainer.contract.spec import JobSpec
+from trainer.contract.spec import Hyperparameters, JobSpec
 
 if TYPE_CHECKING:
     from trainer.catalog import CatalogEntry
@@ -145,7 +145,7 @@ def catalog_entry(settings: Settings, name: str) -> CatalogEntry:
 
 
 def _catalog_entry(settings: Settings, name: str) -> CatalogEntry:
-    from trainer import catalog
+    from trainer import catalog  # lazy: the trainer side (catalog), only when a base model is looked up
 
     entries = catalog.list_models(settings.models_root)
     for e in entries:
@@ -323,8 +323,6 @@ def _parent(session: Session, principal: Principal, model_id: str, hp: dict[str,
     Fills ``hp`` with the parent's LoRA shape (``LORA_SHAPE``) where the request leaves it out.
     Raises NotFound (404) for a model the tenant does not own (a foreign one included),
     ServiceError (400) when its adapter file is gone or the request asks for another LoRA shape."""
-    from trainer.contract.spec import Hyperparameters
-
     tid = tenant_id_of(principal)
     if CHECKPOINT_MODEL.fullmatch(model_id):
         parent, _, published = find_checkpoint_model(session=session, principal=principal, model_id=model_id)
@@ -359,8 +357,6 @@ def _parent(session: Session, principal: Principal, model_id: str, hp: dict[str,
 def _gpus_allowed(submit: Submit, tenant: str, minutes: int, gpus: int) -> None:
     """Refuse (400, naming the limit) a job whose GPUs no QOS tier of the tenant allows, before a row
     exists; when the tiers cannot be read now (Slurm down), submission records that instead."""
-    from gateway.errors import SlurmError
-
     try:
         submit.qos_for(tenant, minutes, gpus)
     except SlurmError:
@@ -393,8 +389,6 @@ def _admit(session: Session, settings: Settings, tid: int, tokens: int, minutes:
 def submit_job(*, session: Session, job: FineTuningJob, spec: JobSpec, tenant: str,
                submit: Submit) -> None:
     """Run sbatch through ``submit`` and record the outcome (QUEUED, or FAILED with Slurm's words)."""
-    from gateway.errors import SlurmError
-
     try:
         slurm_id, qos = submit(job, spec, tenant)
     except SlurmError as e:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.config import Settings
 from gateway.errors import ServiceError
-from trainer.contract.spec import JobSpec
+from trainer.contract.spec import Hyperparameters, JobSpec
 
 if TYPE_CHECKING:
     from trainer.catalog import CatalogEntry
@@ -38,7 +38,7 @@ class MemoryCheck:
 
     def refusal(self) -> str:
         """What create says when it does not fit: the figures and what would make it fit."""
-        from trainer.memory import GIB
+        from trainer.memory import GIB  # lazy: the trainer side (memory), only when a figure is shown
 
         est = self.estimate
         need, have = est.total / GIB, (self.limit or 0) / GIB
@@ -51,7 +51,7 @@ class MemoryCheck:
 
     def as_dict(self) -> dict[str, Any]:
         """The estimate's ``memory`` object: per-rank figure, limit, fits, and the breakdown in GiB."""
-        from trainer.memory import GIB
+        from trainer.memory import GIB  # lazy: the trainer side (memory), only when a figure is shown
 
         return {"per_gpu_gib": self.estimate.gib(), "limit_gib": round(self.limit / GIB, 2) if self.limit else None,
                 "fits": self.fits, "partition": self.partition, "device": self.estimate.device,
@@ -73,7 +73,7 @@ def memory_limit(settings: Settings) -> tuple[str, str, int | None]:
 
 def memory_check(settings: Settings, job: JobSpec, shape: ModelShape) -> MemoryCheck:
     """The :class:`MemoryCheck` of the spec ``job`` on a model of ``shape``."""
-    from trainer.memory import estimate_job
+    from trainer.memory import estimate_job  # lazy: the trainer side (memory), only when a job is admitted
 
     partition, device, limit = memory_limit(settings)
     est = estimate_job(shape, job.hyperparameters, method=job.method, world_size=job.world_size, fsdp=job.fsdp,
@@ -83,8 +83,8 @@ def memory_check(settings: Settings, job: JobSpec, shape: ModelShape) -> MemoryC
 
 def _model_shape(settings: Settings, entry: CatalogEntry) -> ModelShape | None:
     """The catalog model's shape from its config.json; None (no memory check) for one it cannot read."""
-    from trainer.catalog import model_dir
-    from trainer.memory import read_shape
+    from trainer.catalog import model_dir  # lazy: the trainer side (catalog), only when a job is admitted
+    from trainer.memory import read_shape  # lazy: the trainer side (memory), only when a job is admitted
 
     try:
         return read_shape(model_dir(settings.models_root, entry.name, entry.digest))
@@ -106,8 +106,6 @@ def widen_for_ranks(hp: dict[str, Any], method: str, gpus: int) -> str | None:
     however many ranks) see the same steps. When the request set it, ServiceError (400) with the
     figure: an explicit budget is the user's, not ours to change. None: nothing to do (or values
     the spec check refuses later)."""
-    from trainer.contract.spec import Hyperparameters
-
     defaults = Hyperparameters()
     seq = hp.get("max_seq_len", defaults.max_seq_len)
     budget = hp.get("batch_size_tokens", defaults.batch_size_tokens)

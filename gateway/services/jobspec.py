@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from gateway.config import Settings
 from gateway.errors import ServiceError
 from gateway.models import DataFile, FineTuningJob
+from gateway.services.files import file_parts
 from gateway.storage import layout
 from trainer.contract.errors import SpecError
 from trainer.contract.spec import HYPERPARAMETER_BOUNDS, HYPERPARAMETER_DEFAULTS, JobSpec, parse_spec
@@ -48,8 +49,6 @@ def job_spec(settings: Settings, tenant: str, job: FineTuningJob, train: DataFil
     """The trainer's spec for ``job`` of ``tenant``, typed (creation and recovery build it the
     same way); ``init``: the parent's adapter tar (continued training). ServiceError
     naming the field if it is invalid."""
-    from gateway.services.files import file_parts
-
     hp = dict(job.hyperparameters or {})
     top = {k: hp.pop(k) for k in ("checkpoint_every_steps", "keep_checkpoints") if k in hp}
     spec: dict[str, Any] = {
