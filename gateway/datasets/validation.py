@@ -31,8 +31,9 @@ from enum import StrEnum
 from typing import Any, Protocol
 
 from trainer.contract.lines import CHAT, PREFERENCE, Example, Kind, LineError, LineReader, Preference
+from trainer.contract.spec import HYPERPARAMETER_DEFAULTS
 
-DEFAULT_EPOCHS = 3
+DEFAULT_EPOCHS = HYPERPARAMETER_DEFAULTS["epochs"]   # the estimate's: the trainer's default
 SHORT_CHARS = 8          # an example whose messages hold fewer characters is "very short"
 TOKEN_BATCH = 256
 # Token statistics: every example up to EXACT_FIRST, then one in SAMPLE_EVERY (weighted).
@@ -125,7 +126,7 @@ class _Sides:
 class Validator:
     """Streaming validator; ``feed`` every line (with its newline or not), then ``finish``."""
 
-    max_seq_len: int = 2048
+    max_seq_len: int = HYPERPARAMETER_DEFAULTS["max_seq_len"]
     min_examples: int = 10
     max_errors: int = 100
     max_line_bytes: int = 4 * 1024 * 1024
