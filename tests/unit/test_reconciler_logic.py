@@ -143,6 +143,29 @@ def test_interrupted_without_spec_fails_clearly(env: Any) -> None:
         assert s.exec(select(FineTuningJob).where(FineTuningJob.status == JobState.QUEUED.value)).first() is None
 
 
+def test_an_interrupted_sweep_adopts_its_named_task_and_cancels_the_never_named(env: Any) -> None:
+    """The gateway died between a sweep's sbatch and naming its array's tasks: task 0 was named after its
+    job (adopted, and released: the hold would keep it pending for ever), tasks 1-2 still carry the
+    sweep's name (held, never ran): cancelled, and their jobs go the way of any lost submission."""
+    engine, settings, fake, client = env
+    with Session(engine) as s:
+        jobs = [FineTuningJob(tenant_id=1, training_file="file-1", model="m", sweep_id="ftsweep-x",
+                              created_at=utcnow() - timedelta(hours=2)) for _ in range(3)]
+        s.add_all(jobs)
+        s.commit()
+        ids = [j.id for j in jobs]
+    array = client.submit_array([JobScript(j, "acme", "q", f"/srv/jobs/{j}", ("true",)) for j in ids],
+                                name="ftsweep-x", user="sft-acme")
+    client.name_task(array, 0, ids[0])
+    Reconciler(engine, settings, client).cycle()
+    task = {j.task: j for j in fake.jobs.values() if j.array_id == array}
+    assert _status(engine, ids[0]).status == "queued" and _status(engine, ids[0]).slurm_job_id == task[0].job_id
+    assert not task[0].held and task[0].state == "PENDING"
+    assert task[1].state == task[2].state == "CANCELLED"
+    assert [(_status(engine, j).status, (_status(engine, j).error or {}).get("code")) for j in ids[1:]] == \
+        [("failed", "submission_lost")] * 2
+
+
 def _running(engine: Any, client: SlurmClient, fake: FakeSlurm, **kw: Any) -> tuple[str, int]:
     sid = client.submit(JobScript("x", "acme", "q", "/srv/x", ("true",)), user="sft-acme")
     fake.start(sid)
