@@ -168,9 +168,6 @@ def _contexts(tree: ast.AST) -> Iterator[tuple[list[str], ast.AST]]:
             for key, value in zip(node.keys, node.values, strict=True):
                 if isinstance(key, ast.Constant) and isinstance(key.value, str):
                     yield [key.value], value
-                elif key is not None and isinstance(key, ast.Constant) and _numeric(key.value):
-                    # a number as a key (``{65: reason}``): tied to the dict's own name, see Assign
-                    continue
         elif isinstance(node, ast.Call):
             strings = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
             numbers = [a for a in node.args if not (isinstance(a, ast.Constant) and isinstance(a.value, str))]
@@ -296,7 +293,8 @@ def scan(root: Path) -> list[Finding]:
         rel = path.relative_to(root).as_posix()
         text = path.read_text(encoding="utf-8")
         found += scan_python(rel, text) if path.suffix == ".py" else scan_text(rel, text)
-    return [f for f in found if (f.path, f.literal.field, f.literal.value) not in REVIEWED]
+    unique = {(f.path, f.line, f.literal): f for f in found}          # one finding per place and literal
+    return [f for f in unique.values() if (f.path, f.literal.field, f.literal.value) not in REVIEWED]
 
 
 def test_the_literals_come_from_the_contract_objects() -> None:
