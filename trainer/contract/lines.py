@@ -89,6 +89,7 @@ INPUT_KEYS = frozenset({"messages"})
 TOOL_KEYS = frozenset({"tools", "parallel_tool_calls"})
 OUTPUT_KEYS = frozenset({"role", "content"})
 SIDES = ("preferred_output", "non_preferred_output")
+_HOLDS = {CHAT: "'messages'", PREFERENCE: "'input', 'preferred_output' and 'non_preferred_output'"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +226,7 @@ class LineReader:
             self.format, self.format_line = fmt, lineno
         elif fmt != self.format:
             why = (f"the format was set by line {self.format_line}" if self.format_line is not None
-                   else f"the job's method reads {self.format} examples")
+                   else f"the job's method reads {self.format} examples, which hold {_HOLDS[self.format]}")
             raise LineError(Kind.MIXED_FORMAT, f"a {fmt} example in a {self.format} file ({why}); "
                             "a file holds one format only")
 
