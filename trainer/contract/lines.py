@@ -3,8 +3,9 @@
 The gateway's upload validator (``gateway.datasets.validation``) and the trainer's dataset readers
 (``trainer.data.read_conversations``, ``trainer.dpo.read_pairs``) read a file's lines with the
 same :class:`LineReader`, so a line one side accepts the other accepts, to the same messages and
-weights, and a line one side refuses the other refuses with the same :class:`Kind` and message
-(``tests/unit/test_contract_lines.py`` drives both sides with generated lines). Each side once had
+weights, and a line one side refuses the other refuses with the same :class:`Kind` (and message,
+but for where a file's format came from: ``tests/unit/test_contract_lines.py`` drives both sides
+with generated lines). Each side once had
 its own grammar and they drifted: the gateway accepted a ``name`` the trainer refused, and the
 trainer skipped the role order, so an upload reported ``processed`` failed its job as a user error.
 
@@ -42,7 +43,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
@@ -54,7 +55,8 @@ _STRICT = ConfigDict(extra="forbid", strict=True)
 
 class Kind(StrEnum):
     """Error classes (the codes the gateway reports and the trainer's messages end with); each
-    makes the file unusable for training. The first few are about the file, not one line."""
+    makes the file unusable for training. The first five are the gateway's checks beyond the
+    grammar: the file's size and example count, a line's bytes and an example's tokens."""
 
     EMPTY_FILE = "empty_file"
     TOO_LARGE = "file_too_large"
@@ -80,7 +82,8 @@ class Kind(StrEnum):
 
 
 CHAT, PREFERENCE = "chat", "preference"
-ROLES = ("system", "user", "assistant")
+Role = Literal["system", "user", "assistant"]
+ROLES: tuple[str, ...] = get_args(Role)
 TOP_KEYS = frozenset({"messages"})
 MESSAGE_KEYS = frozenset({"role", "content", "weight", "name"})
 PROMPT_KEYS = MESSAGE_KEYS - {"weight"}
@@ -97,7 +100,7 @@ class Message:
     """One message of a valid line. ``weight`` is None when the line gives none (an assistant
     message is then trained on); ``name`` is kept but never rendered (see the module's docstring)."""
 
-    role: Literal["system", "user", "assistant"]
+    role: Role
     content: str
     weight: int | None = None
     name: str | None = None
