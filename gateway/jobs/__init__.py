@@ -1,7 +1,8 @@
-"""A job's life: the one state machine (``state``), submission to the scheduler
-(``submission``), the reconciler loop (``reconciler``) and the publication checks
-(``publish``). The services (``gateway.services.job*``, ``progress``, ``publication``,
-``recovery``) hold the database writes these call. ``state`` is pure and imports nothing of
-the gateway; the others may import config, models, services, storage and the Slurm adapter,
-never the front ends.
+"""A job's life after the API: submission to the scheduler (``submission``), the reconciler loop
+(``reconciler``) and the rooms it calls (``expected``, ``watch`` with the pure ``detectors``,
+``workers``, ``cleanup``, ``recovery``, ``tenantcalls``, ``loopstats``), the leader lease
+(``leader``) and the composition root (``backend``). The services (``gateway.services.job*``,
+``progress``, ``publication``, ``recovery``) hold the database writes these call; the state
+machine is ``gateway.state``, a leaf. This package may import config, models, services, storage
+and the Slurm adapters (through the ``Scheduler`` protocol), never the front ends.
 """
