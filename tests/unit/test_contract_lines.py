@@ -291,3 +291,12 @@ def test_a_number_past_pythons_digit_limit_is_not_json_not_a_crash() -> None:
     with pytest.raises(DatasetError) as e:
         reader.read(1, b'{"messages": [{"role": "assistant", "content": "x", "weight": ' + b"1" * 5000 + b"}]}")
     assert getattr(e.value, "kind", None) == "not_json"
+
+
+@pytest.mark.parametrize("message", [b'"content": "a\\ud800"', b'"content": "a", "weight": null',
+                                     b'"content": "a", "name": null', b'"content": "a", "weight": true'])
+def test_the_fast_path_leaves_nulls_booleans_and_lone_surrogates_to_the_detailed_checks(message: bytes) -> None:
+    raw = b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", ' + message + b"}]}"
+    assert fast_path(raw, CHAT) is None
+    with pytest.raises(DatasetError):
+        LineReader(CHAT).read(1, raw)

@@ -43,14 +43,25 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import ConfigDict, TypeAdapter, ValidationError
+from pydantic import BeforeValidator, ConfigDict, TypeAdapter, ValidationError
 
 from trainer.contract.errors import DatasetError
 
 # the JSON shapes below, checked by pydantic in one pass (the fast path of LineReader.read)
 _STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+def _not_null(value: Any) -> Any:
+    """Refuse a JSON null where a key is optional: pydantic would read it as the key's absence
+    (None), which the grammar does not (``"weight": null`` is a ``bad_weight``)."""
+    if value is None:
+        raise ValueError("null")
+    return value
+
+
+_GIVEN = BeforeValidator(_not_null)  # runs only when the key is there
 
 
 class Kind(StrEnum):
@@ -102,8 +113,8 @@ class Message:
 
     role: Role
     content: str
-    weight: int | None = None
-    name: str | None = None
+    weight: Annotated[int | None, _GIVEN] = None
+    name: Annotated[str | None, _GIVEN] = None
     __pydantic_config__ = _STRICT
 
     def turn(self) -> dict[str, str]:
@@ -210,14 +221,16 @@ class LineReader:
         if not raw or raw.isspace():
             return None
         example = _fast(raw, self.format)
-        if example is None:
-            obj = decode(raw)
-            fmt = format_of(obj)
-            if fmt is not None:
-                self._set_format(lineno, fmt)
-            example = check_pair(obj) if self.format == PREFERENCE else check_example(obj)
-        else:
-            self._set_format(lineno, PREFERENCE if isinstance(example, Preference) else CHAT)
+        if example is not None:
+            read_as = PREFERENCE if isinstance(example, Preference) else CHAT
+            if read_as != self.format:
+                self._set_format(lineno, read_as)
+            return example
+        obj = decode(raw)
+        fmt = format_of(obj)
+        if fmt is not None:
+            self._set_format(lineno, fmt)
+        example = check_pair(obj) if self.format == PREFERENCE else check_example(obj)
         # JSON may escape a lone UTF-16 surrogate (\ud800), which no tokenizer can encode
         if (b"\\ud" in raw or b"\\uD" in raw) and not _encodable(example):
             raise LineError(Kind.NOT_UTF8, "a string holds a lone surrogate escape (\\ud800-\\udfff): "
@@ -237,10 +250,8 @@ class LineReader:
 def _fast(raw: bytes, fmt: str | None) -> Example | None:
     """The example of a well-formed line of the file's format (a chat line when it has none yet),
     decoded by pydantic and passed by the same rules as the detailed checks; None for any other
-    line (the detailed checks then find and name its problem). A JSON ``null`` anywhere sends a
-    line the detailed way: pydantic would read a ``"weight": null`` as no weight at all."""
-    if b"null" in raw:
-        return None
+    line (the detailed checks then find and name its problem). pydantic refuses a lone surrogate
+    escape, so what it accepts needs no surrogate check."""
     try:
         if fmt != PREFERENCE:
             chat = _FAST_CHAT.validate_json(raw)
