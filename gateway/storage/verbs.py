@@ -27,6 +27,7 @@ from itertools import accumulate
 from typing import Any
 
 from gateway.storage import layout, safefs
+from trainer.contract import jobdir
 
 MAX_SPEC_BYTES = 1 << 20
 MAX_EVENTS_READ = 4 << 20          # per job per call
@@ -190,7 +191,7 @@ def read_events(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
     for job_id, offset in offsets.items():
         data = b""
         try:
-            fd = safefs.open_path(ctx.root_fd, layout.job_file(job_id, "events.jsonl"))
+            fd = safefs.open_path(ctx.root_fd, layout.job_file(job_id, jobdir.EVENTS))
             try:
                 os.lseek(fd, max(0, int(offset)), os.SEEK_SET)
                 data = safefs.read_fd(fd, MAX_EVENTS_READ)
@@ -207,7 +208,7 @@ def read_events(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
 def read_spec(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
     """spec.json's bytes as a blob (``found``); not found when missing, unsafe or over MAX_SPEC_BYTES."""
     try:
-        fd = safefs.open_path(ctx.root_fd, layout.job_file(args.get("job_id", ""), "spec.json"),
+        fd = safefs.open_path(ctx.root_fd, layout.job_file(args.get("job_id", ""), jobdir.SPEC),
                               max_size=MAX_SPEC_BYTES)
     except (FileNotFoundError, safefs.UnsafeStorage):
         return Reply({"found": False})
@@ -226,7 +227,7 @@ def write_spec(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
         raise VerbError("invalid spec")
     d = safefs.open_dir(ctx.root_fd, layout.job(args.get("job_id", "")), create=True)
     try:
-        safefs.write_atomic(d, "spec.json", data.encode())
+        safefs.write_atomic(d, jobdir.SPEC, data.encode())
     finally:
         os.close(d)
     return Reply()
@@ -315,12 +316,12 @@ def verify_staging(staging_fd: int, *, attempt: int, model_digest: str | None) -
             os.close(fd)
 
     try:
-        marker = read("COMPLETE", 4096).decode(errors="replace").strip()
+        marker = read(jobdir.COMPLETE, 4096).decode(errors="replace").strip()
     except (FileNotFoundError, safefs.UnsafeStorage):
         raise _refused(f"attempt {attempt} has no COMPLETE marker: the trainer did not finish it") from None
     try:
-        raw = read("manifest.json", MAX_MANIFEST_BYTES)
-        manifest = tenant_json(raw, "manifest.json")
+        raw = read(jobdir.MANIFEST, MAX_MANIFEST_BYTES)
+        manifest = tenant_json(raw, jobdir.MANIFEST)
         if not isinstance(manifest, dict):
             raise ValueError("not an object")
     except (OSError, ValueError) as e:
@@ -335,7 +336,7 @@ def verify_staging(staging_fd: int, *, attempt: int, model_digest: str | None) -
     files = manifest.get("files") or {}
     if not isinstance(files, dict):
         raise _refused("the manifest's file list is invalid")
-    for name in ADAPTER_FILES + ("eval.json",):
+    for name in (*ADAPTER_FILES, jobdir.EVAL):
         if name not in files:
             raise _refused(f"the manifest lacks {name}")
     opened: dict[str, int] = {}
@@ -446,12 +447,12 @@ def reported(manifest: dict[str, Any]) -> dict[str, Any]:
 def _build(ctx: Ctx, job_id: str, sfd: int, opened: dict[str, int], manifest: dict[str, Any],
            steps: list[int]) -> Reply:
     try:
-        evaluation = tenant_json(safefs.read_fd(opened["eval.json"], MAX_EVAL_BYTES), "eval.json")
-        os.lseek(opened["eval.json"], 0, os.SEEK_SET)
+        evaluation = tenant_json(safefs.read_fd(opened[jobdir.EVAL], MAX_EVAL_BYTES), jobdir.EVAL)
+        os.lseek(opened[jobdir.EVAL], 0, os.SEEK_SET)
     except ValueError:
         raise _refused("eval.json is not JSON") from None
     try:
-        mfd = safefs.open_file(sfd, "metrics.jsonl", "metrics.jsonl", max_size=MAX_METRICS_BYTES)
+        mfd = safefs.open_file(sfd, jobdir.METRICS, jobdir.METRICS, max_size=MAX_METRICS_BYTES)
         try:
             metrics = safefs.read_fd(mfd, MAX_METRICS_BYTES)
         finally:
@@ -468,7 +469,7 @@ def _build(ctx: Ctx, job_id: str, sfd: int, opened: dict[str, int], manifest: di
         raise
     try:
         _write_adapter_tar(out, "adapter.tar", job_id, opened)
-        for fname, data in (("eval.json", safefs.read_fd(opened["eval.json"], MAX_EVAL_BYTES)),
+        for fname, data in ((jobdir.EVAL, safefs.read_fd(opened[jobdir.EVAL], MAX_EVAL_BYTES)),
                             ("metrics.csv", metrics_csv(metrics))):
             fd = _create(out, fname)
             try:
@@ -576,8 +577,8 @@ def _pack_checkpoints(ctx: Ctx, job_id: str, out: int, opened: dict[str, int],
             skipped[str(step)] = "not on disk (pruned)"
             continue
         try:
-            os.close(safefs.open_file(cfd, "COMPLETE", "COMPLETE", max_size=4096))
-            afd = safefs.open_file(cfd, "adapter.safetensors", "adapter.safetensors", max_size=MAX_ADAPTER_BYTES)
+            os.close(safefs.open_file(cfd, jobdir.COMPLETE, jobdir.COMPLETE, max_size=4096))
+            afd = safefs.open_file(cfd, jobdir.CKPT_ADAPTER, jobdir.CKPT_ADAPTER, max_size=MAX_ADAPTER_BYTES)
         except (FileNotFoundError, safefs.UnsafeStorage):
             skipped[str(step)] = "incomplete"
             continue

@@ -497,15 +497,6 @@ def lazy_imports(path: Path) -> list[tuple[int, str]]:
 
 # Files whose owners are still changing them (issue 30, helpers H1-H3): each shrinks to none.
 PENDING_LAZY: dict[str, str] = {
-    "gateway/services/jobcontrol.py": "H3: services/jobs.py split by concern",
-    "gateway/services/jobcreate.py": "H3: services/jobs.py split by concern",
-    "gateway/services/jobmemory.py": "H3: services/jobs.py split by concern",
-    "gateway/services/jobmodels.py": "H3: services/jobs.py split by concern",
-    "gateway/services/jobreads.py": "H3: services/jobs.py split by concern",
-    "gateway/services/jobspec.py": "H3: services/jobs.py split by concern",
-    "gateway/services/jobwrites.py": "H3: services/jobs.py split by concern",
-    "gateway/datasets/tokencount.py": "H1/H2: the line grammar moves into trainer.contract",
-    "trainer/dpo.py": "H1/H2: the preference grammar moves into trainer.contract",
     "trainer/recipe.py": "H2: the job directory's names from trainer.contract.jobdir",
 }
 
@@ -937,8 +928,16 @@ def test_the_state_name_rule_catches_a_literal(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------- tenant paths
-LAYOUT_NAMES = {"tenants", "datasets", "jobs", "artifacts", "attempts", "checkpoints", "staging",
-                "events.jsonl", "spec.json"}
+def _jobdir_names() -> set[str]:
+    """The job directory's names, from the contract that defines them (trainer.contract.jobdir)."""
+    from trainer.contract import jobdir
+
+    return {v for k, v in vars(jobdir).items() if k.isupper() and isinstance(v, str)}
+
+
+JOBDIR_NAMES = _jobdir_names()
+JOBDIR_FILES = {n for n in JOBDIR_NAMES if "." in n or n.isupper()}    # not the folders, which are JSON keys too
+LAYOUT_NAMES = {"tenants", "datasets", "jobs", "artifacts"} | JOBDIR_NAMES
 URL_PREFIXES = ("/v1/", "/portal/")
 PATH_CALLS = {"join", "joinpath", "Path", "PurePath", "PosixPath", "PurePosixPath", "with_name"}
 
@@ -959,7 +958,9 @@ def path_spellings(path: Path) -> list[tuple[int, str]]:
     tuple ``("jobs", ...)``, ``os.path.join(x, "jobs")``, ``p.joinpath("jobs")``, ``Path(x,
     "jobs")``, ``"/".join([x, "jobs"])``, an f-string ``f"{root}/tenants/{t}"``, a
     concatenation ``root + "/jobs/" + j`` and a %-format ``"%s/jobs/%s" % ...``.
-    URL paths (f-strings and strings that start with ``/v1/`` or ``/portal/``) are not file paths."""
+    and a job-directory name (trainer.contract.jobdir) handed to any call, ``open_file(d,
+    "COMPLETE")``. URL paths (f-strings and strings that start with ``/v1/`` or ``/portal/``)
+    are not file paths."""
     tree = _parse(path)
     type_args = {id(n.slice) for n in ast.walk(tree) if isinstance(n, ast.Subscript)}   # Literal["jobs", ...]
     found: list[tuple[int, int, str]] = []
@@ -1001,6 +1002,9 @@ def path_spellings(path: Path) -> list[tuple[int, str]]:
                     note(a, alone=True)
         elif isinstance(node, ast.JoinedStr):
             note(node, alone=False)
+        if isinstance(node, ast.Call):
+            found += [(a.lineno, a.col_offset, a.value) for a in node.args
+                      if isinstance(a, ast.Constant) and a.value in JOBDIR_FILES]
     return [(line, name) for line, _, name in sorted(set(found))]
 
 
@@ -1034,6 +1038,9 @@ PLANTED_PATHS = {
     'p = root + "/jobs/" + j': "jobs",
     'p = str(root) + "/tenants"': "tenants",
     'p = "%s/artifacts/%s" % (root, a)': "artifacts",
+    'fd = safefs.open_file(d, "COMPLETE", max_size=4096)': "COMPLETE",
+    'raw = read(job_file(j, "events.jsonl"))': "events.jsonl",
+    'names = ADAPTER + ("eval.json",)': "eval.json",
 }
 
 
@@ -1046,7 +1053,7 @@ def test_the_path_rule_catches_each_form(tmp_path: Path, snippet: str) -> None:
 
 def test_the_path_rule_passes_words_and_urls(tmp_path: Path) -> None:
     harmless = tmp_path / "x.py"
-    harmless.write_text('label = "jobs"\nmsg = f"{n} jobs running"\nurl = f"/v1/fine_tuning/jobs/{j}"\n'
+    harmless.write_text('label = "jobs"\nc = built.get("checkpoints")\nmsg = f"{n} jobs running"\nurl = f"/v1/fine_tuning/jobs/{j}"\n'
                         'u2 = f"/portal/jobs/{j}"\n'
                         'x: Literal["jobs", "files"]\nk = ", ".join(["jobs", "datasets"])\n'
                         'u = "/v1/files/" + f\ns = "3 jobs" + tail\n')
