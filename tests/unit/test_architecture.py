@@ -40,6 +40,7 @@ The rules:
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -60,7 +61,9 @@ def _rel(path: Path) -> str:
     return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
 
 
+@functools.cache
 def _parse(path: Path) -> ast.Module:
+    """``path``'s syntax tree, parsed once per session (the rules only read it)."""
     return ast.parse(path.read_text(), str(path))
 
 
@@ -571,7 +574,7 @@ def import_graph(root: Path, packages: list[str]) -> dict[str, dict[str, str]]:
     graph: dict[str, dict[str, str]] = {m: {} for m in paths}
     for name, path in paths.items():
         package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-        for node in _runtime_imports(ast.parse(path.read_text(), str(path))):
+        for node in _runtime_imports(_parse(path)):
             names = _imported(node, package)
             if isinstance(node, ast.ImportFrom):      # a.b when it is a module, else a
                 names = [m if m in paths else base for m, base in zip(names[::2], names[1::2], strict=True)]
@@ -895,7 +898,7 @@ PLAYS_SLURM = {"gateway/state.py", "tests/slurmfake.py"}   # the vocabulary itse
 
 def state_word_literals(path: Path, words: set[str]) -> list[tuple[str, int, str]]:
     """(word, line, kind) of every string constant in ``path`` that is a job or Slurm state name."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = _parse(path)
     docstrings = {id(n.body[0].value) for n in ast.walk(tree)
                   if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
                   and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
@@ -1053,7 +1056,8 @@ def test_the_path_rule_catches_each_form(tmp_path: Path, snippet: str) -> None:
 
 def test_the_path_rule_passes_words_and_urls(tmp_path: Path) -> None:
     harmless = tmp_path / "x.py"
-    harmless.write_text('label = "jobs"\nc = built.get("checkpoints")\nmsg = f"{n} jobs running"\nurl = f"/v1/fine_tuning/jobs/{j}"\n'
+    harmless.write_text('label = "jobs"\nc = built.get("checkpoints")\nmsg = f"{n} jobs running"\n'
+                        'url = f"/v1/fine_tuning/jobs/{j}"\n'
                         'u2 = f"/portal/jobs/{j}"\n'
                         'x: Literal["jobs", "files"]\nk = ", ".join(["jobs", "datasets"])\n'
                         'u = "/v1/files/" + f\ns = "3 jobs" + tail\n')
@@ -1069,7 +1073,7 @@ def error_definitions(path: Path) -> list[tuple[int, str]]:
     """Classes in ``path`` that define a cross-layer error family or extend ServiceError's."""
     service_family = _service_family()
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(_parse(path)):
         if isinstance(node, ast.ClassDef):
             bases = {b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else ""
                      for b in node.bases}
@@ -1136,7 +1140,7 @@ def undocumented(path: Path) -> list[tuple[int, str]]:
                               *(h.body for h in getattr(node, "handlers", []))):
                     visit(block, prefix)
 
-    visit(ast.parse(path.read_text(), str(path)).body, "")
+    visit(_parse(path).body, "")
     return found
 
 
