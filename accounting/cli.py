@@ -7,7 +7,6 @@ from pathlib import Path
 
 import click
 
-from accounting.charts import usage_png
 from accounting.fairshare import fairshare_report
 from accounting.gateway_facts import load_gateway_facts
 from accounting.render import FORMATS, check_format, fairshare_text, usage_text
@@ -57,6 +56,8 @@ def register(admin: click.Group) -> None:
         rep = _fetch_usage(make_window(start, end), by, accounts)
         click.echo(usage_text(rep, fmt))
         if plot:
+            from accounting.charts import usage_png  # lazy: matplotlib (~0.5 s), only for --plot
+
             Path(plot).write_bytes(usage_png(rep))
             click.echo(f"chart written to {plot}", err=True)
 

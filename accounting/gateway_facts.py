@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from accounting.window import Window
-from gateway.db import make_engine
-from gateway.models import FineTuningJob, Tenant
 from gateway.state import Cleanup
 
 NOT_AVAILABLE = ("gateway DB not available here (missing or unreadable): cancellations and scrub failures "
@@ -58,6 +56,8 @@ def load_gateway_facts(database_url: str, window: Window) -> GatewayFacts | None
     import sqlalchemy as sa
     from sqlmodel import Session, col, select
 
+    from gateway.db import make_engine  # lazy: the DB layer (~0.3 s); `finetune` imports this at start
+    from gateway.models import FineTuningJob, Tenant  # lazy: the DB layer, as above
 
     if database_url.startswith("sqlite:///"):
         from pathlib import Path

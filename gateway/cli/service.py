@@ -2,7 +2,9 @@
 
 Each builds its settings (``--local`` / ``--data-dir`` switch to local mode) and hands
 over to the composition root (``gateway.jobs.backend``), the API app, the storage broker or
-the demo; ``serve`` and ``reconcile`` drop root first (``gateway.cli.privsep``).
+the demo; ``serve`` and ``reconcile`` drop root first (``gateway.cli.privsep``). The app,
+the DB layer and the demo are imported by the commands that run them: ``finetune`` starts
+without them.
 """
 
 from __future__ import annotations
@@ -15,13 +17,10 @@ from typing import Any
 
 import click
 
-from gateway.cli.demo import run_demo
 from gateway.cli.privsep import become_service_user
 from gateway.cli.util import friendly_errors
 from gateway.config import Settings, get_settings
 from gateway.devcluster.cluster import DevCluster
-from gateway.jobs.backend import build_backend
-from gateway.services.tenants import onboard_empty
 from gateway.slurm.local import banner, prepare
 from gateway.storage.broker import main as broker_main
 from gateway.usercli import save_credentials, saved_url
@@ -119,6 +118,8 @@ def serve(host: str, port: int, workers: int, log_level: str, local: bool, data_
 
 def _local_first_start(settings: Any, url: str) -> None:
     """Local mode's first start: tenant ``local`` and its token, saved where `finetune login` saves."""
+    from gateway.services.tenants import onboard_empty  # lazy: the DB layer, only for a first local start
+
     token = onboard_empty(settings, "local", name="local")
     if token is not None:
         if saved_url() not in (None, url):      # logged in elsewhere: do not replace that login
@@ -137,6 +138,8 @@ def _local_first_start(settings: Any, url: str) -> None:
 
 
 def _reconciler(settings):  # type: ignore[no-untyped-def]
+    from gateway.jobs.backend import build_backend  # lazy: the DB layer and the reconciler, this command only
+
     reconciler = build_backend(settings).reconciler
     if reconciler is None:
         click.echo("Slurm does not answer: no reconciler", err=True)
@@ -189,4 +192,6 @@ def demo(tiny: bool, local: bool, data_dir: Path | None) -> None:
     """End-to-end walk-through: tenant, base model, dataset, QLoRA job, before/after.
 
     On the dev cluster (root), or with --local as an ordinary user without Slurm."""
+    from gateway.cli.demo import run_demo  # lazy: the demo's DB layer and HTTP client, this command only
+
     sys.exit(run_demo(_settings(local, data_dir), echo=click.echo, tiny=tiny))

@@ -4,6 +4,8 @@ Tenants (Slurm accounts, fairshare, QOS, unix users, storage), API tokens, the
 audit log, QOS policy and drained nodes; ``accounting.cli`` adds ``report`` and
 ``fairshare``. Each command parses its options, calls one function of
 ``gateway.storage.onboarding``, ``gateway.access`` or ``gateway.services``, and prints.
+The database layer (sqlalchemy, ~0.3 s) is imported by the commands that use it, so
+``finetune``'s tenant commands, which only speak HTTP, start without it.
 """
 
 from __future__ import annotations
@@ -11,19 +13,12 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-from sqlalchemy.engine import Engine
 
-from gateway.access import audit
-from gateway.access.audit import UNCHECKED, open_database, verify
-from gateway.access.staff import db_now
-from gateway.access.tokens import local_admin, operator_mint, revoke_token, token_object
 from gateway.cli.util import friendly_errors
 from gateway.config import get_settings
-from gateway.db import make_engine, migrate, session_scope
-from gateway.models import ApiToken, Role
-from gateway.services.tenants import ensure_tenant, get_tenant
 from gateway.slurm import make_runner
 from gateway.slurm.client import SlurmClient
 from gateway.slurm.policy import diff_qos, load_policy, unmanaged_qos
@@ -31,6 +26,9 @@ from gateway.slurm.scrubreports import DEFAULT_REPORT_DIR, latest_reports
 from gateway.slurm.validate import validate_tenant_name
 from gateway.storage import storage_for
 from gateway.storage.onboarding import TenantAdmin
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Engine
 
 
 @click.group()
@@ -63,6 +61,9 @@ def tenant_add(name: str, shares: int, qos: str) -> None:
     NAME whose user would be the service user, or an existing account this command did not make,
     is refused before anything is created.
     """
+    from gateway.db import make_engine, migrate, session_scope  # lazy: the DB layer, this command only
+    from gateway.services.tenants import ensure_tenant  # lazy: the DB layer, this command only
+
     validate_tenant_name(name)  # before anything runs
     t = _admin().add_tenant(name, shares=shares, qos=[q.strip() for q in qos.split(",")],
                             notify=lambda line: click.echo(line, err=True))
@@ -132,6 +133,8 @@ def token() -> None:
 
 
 def _token_db() -> Engine:
+    from gateway.access.audit import open_database  # lazy: the DB layer, this command only
+
     return open_database(get_settings())
 
 
@@ -151,6 +154,12 @@ def token_create(tenant_name: str | None, role: str, name: str, as_json: bool) -
     its unix user, 0600; never printed here): with it the holder makes the token the
     tenant's own (`finetune tokens claim`). Rotating it claims nothing.
     """
+    from gateway.access.staff import db_now  # lazy: the DB layer, this command only
+    from gateway.access.tokens import local_admin, operator_mint  # lazy: the DB layer, this command only
+    from gateway.db import session_scope  # lazy: the DB layer, this command only
+    from gateway.models import Role  # lazy: the DB layer, this command only
+    from gateway.services.tenants import get_tenant  # lazy: the DB layer, this command only
+
     settings = get_settings()
     with session_scope(_token_db()) as session:
         tenant = get_tenant(session=session, name=tenant_name) if tenant_name else None
@@ -181,6 +190,15 @@ def token_create(tenant_name: str | None, role: str, name: str, as_json: bool) -
 @friendly_errors
 def token_revoke(token_id: int, as_json: bool) -> None:
     """Revoke token TOKEN_ID (its tenant's audit log records it)."""
+    from gateway.access.staff import db_now  # lazy: the DB layer, this command only
+    from gateway.access.tokens import (  # lazy: the DB layer, this command only
+        local_admin,
+        revoke_token,
+        token_object,
+    )
+    from gateway.db import session_scope  # lazy: the DB layer, this command only
+    from gateway.models import ApiToken  # lazy: the DB layer, this command only
+
     with session_scope(_token_db()) as session:
         before = session.get(ApiToken, token_id)
         already = before is not None and before.revoked_at is not None
@@ -211,6 +229,8 @@ def audit_verify(key_file: Path | None, as_json: bool) -> None:
     entries deleted, head rewritten without the key). Exit 2: the chain is consistent but
     the anchor could not be checked (no usable key file here): not verified.
     """
+    from gateway.access.audit import UNCHECKED, verify  # lazy: the DB layer, this command only
+
     settings = get_settings()
     verdict = verify(_token_db(), key_file=key_file or settings.audit_key_file)
     if as_json:
@@ -232,6 +252,10 @@ def audit_reanchor(reason: str, key_file: Path | None) -> None:
     """Sign the head as it is now (after investigating a verdict, or for a database that is
     newer than its key file). Appends an audit.reanchor entry naming the verdict before; it
     hides no broken entry (verify still names those)."""
+    from gateway.access import audit  # lazy: the DB layer, this command only
+    from gateway.access.staff import db_now  # lazy: the DB layer, this command only
+    from gateway.access.tokens import local_admin  # lazy: the DB layer, this command only
+
     engine = _token_db()
     if key_file is not None:
         audit.use_key_file(engine, key_file)

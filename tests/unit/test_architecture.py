@@ -28,6 +28,7 @@ The rules:
   package order    every import (module level, in functions, relative, type-only) points down
   contract         trainer/contract imports only the standard library, pydantic and itself
   top imports      project and heavy imports at module top unless ``# lazy: <why>`` says why
+  CLI start        ``import gateway.cli`` loads no DB layer, app, plotting or torch (those reasons hold)
   cycles           no import cycle among project modules
   front ends       api, portal, usercli and cli write no DB row and import no Slurm adapter
   state names      job and Slurm state names spelled only in gateway/state.py
@@ -42,6 +43,7 @@ from __future__ import annotations
 import ast
 import functools
 import re
+import subprocess
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from itertools import pairwise
@@ -433,6 +435,30 @@ def test_the_order_rule_catches_an_upward_import(tmp_path: Path) -> None:
         ("gateway/services/d.py:3", "gateway.jobs.x.Y"),
         ("gateway/slurm/b.py:1", "gateway.storage.layout")]
     assert package_pairs_both_ways(tmp_path, ["gateway"]) == [("gateway.jobs", "gateway.services")]
+
+
+# The reasons the CLI gives for its lazy imports, checked: `finetune` (a tenant's HTTP client as
+# much as the admin's tool) starts without the DB layer, the app, plotting or torch.
+CLI_STARTS_WITHOUT = ("sqlalchemy", "sqlmodel", "fastapi", "matplotlib", "torch", "transformers")
+
+
+def modules_loaded(statement: str, root: Path = ROOT) -> set[str]:
+    """The top-level modules a fresh interpreter has loaded after running ``statement`` in ``root``."""
+    code = f"import sys\n{statement}\nprint(' '.join(sorted({{m.split('.')[0] for m in sys.modules}})))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True,
+                         timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root)})
+    return set(out.stdout.split())
+
+
+def test_the_cli_starts_without_the_db_layer() -> None:
+    heavy = modules_loaded("import gateway.cli") & set(CLI_STARTS_WITHOUT)
+    assert heavy == set(), f"`import gateway.cli` loads {sorted(heavy)}: import them in the commands that use them"
+
+
+def test_the_cli_start_rule_sees_a_loaded_module(tmp_path: Path) -> None:
+    (tmp_path / "sneaky.py").write_text("import sqlalchemy\n")
+    assert "sqlalchemy" in modules_loaded("import sneaky", tmp_path)
+    assert "sqlalchemy" not in modules_loaded("import json", tmp_path)
 
 
 # ---------------------------------------------------------------------- contract
