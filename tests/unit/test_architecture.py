@@ -19,7 +19,7 @@ own package and any LOWER row; never a higher row, never another package of its 
 
 Outside the table: ``trainer`` (all but ``trainer.contract``) and ``scrubber`` run on compute
 nodes and import nothing of ``gateway``; the gateway may import the pure trainer modules it
-uses (catalog, memory, export, spec) inside functions, with a ``# lazy:`` comment.
+uses (catalog, memory, export, quiet) inside functions, with a ``# lazy:`` comment.
 
 The rules:
   processes        every way to start a process, only in gateway/slurm/ and reviewed modules
@@ -30,9 +30,9 @@ The rules:
   top imports      project and heavy imports at module top unless ``# lazy: <why>`` says why
   CLI start        ``import gateway.cli`` loads no DB layer, app, plotting or torch (those reasons hold)
   cycles           no import cycle among project modules
-  front ends       api, portal, usercli and cli write no DB row and import no Slurm adapter
+  front ends       api, portal, usercli and cli write no DB row; api and portal import no gateway.slurm
   state names      job and Slurm state names spelled only in gateway/state.py
-  tenant paths     tenant-layout names joined into paths only in gateway/storage/layout.py
+  tenant paths     tenant-layout and job-dir names joined into paths only in gateway/storage/layout.py
   error classes    the request-error families defined only in gateway/errors.py
   docstrings       every public function says what it returns or raises
   reconciler size  gateway/jobs/reconciler.py is a loop (at most 300 lines)
