@@ -1,4 +1,9 @@
-"""The only package that runs Slurm (and other system) binaries."""
+"""The scheduler adapters: what runs a job, behind one protocol (``scheduler.Scheduler``).
+
+``client.SlurmClient`` is the cluster, ``local.LocalScheduler`` local mode (no Slurm); the
+only package that builds Slurm command lines (``runner`` runs them; ``records`` parses what
+they print; ``render`` writes the batch script; ``admin`` and ``policy`` are sacctmgr's side).
+"""
 
 from gateway.config import Settings, get_settings
 from gateway.errors import SlurmError
