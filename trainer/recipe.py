@@ -86,6 +86,7 @@ from trainer.model import (
     resolve_device,
 )
 from trainer.packing import Row, idle_ranks, micro_batches, plan, rows_per_step
+from trainer.parent import match_lora, read_adapter
 
 log = logging.getLogger("trainer")
 
@@ -223,8 +224,8 @@ class Recipe:
         self.world.connect(self.device, sharded=self.spec.fsdp)
         self.check_stop()
         self.events.phase("tokenizing")
-        import torch
-        from transformers import AutoTokenizer
+        import torch  # lazy: torch
+        from transformers import AutoTokenizer  # lazy: transformers
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.train_examples, self.val_examples = self._load_examples()
@@ -278,8 +279,6 @@ class Recipe:
 
     def _init_from_parent(self, path: str, sha256: str) -> None:
         """Replace the seeded LoRA init by the parent adapter's weights (every rank reads the tar)."""
-        from trainer.parent import match_lora, read_adapter
-
         # a DTensor's shape is the whole parameter's, not this rank's shard
         shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters() if p.requires_grad}
         self.world.load_adapter(self.model, match_lora(read_adapter(path, sha256), shapes))
@@ -322,7 +321,7 @@ class Recipe:
         """DPO: the reference policy's log-probabilities of every train and validation pair: the model as
         training starts (LoRA B = 0, or the parent's adapter), computed once; each rank scores its share
         of the rows and the shares are added up."""
-        import torch
+        import torch  # lazy: torch
 
         self.events.phase("reference")
         out = {}
@@ -338,8 +337,8 @@ class Recipe:
 
     def resume(self) -> None:
         """Load the newest complete checkpoint of this job, if any (exact resume)."""
-        import torch
-        from safetensors.torch import load as load_safetensors
+        import torch  # lazy: torch
+        from safetensors.torch import load as load_safetensors  # lazy: safetensors
 
         removed = ckpt.clean_leftovers(self.checkpoints) if self.world.is_main else []
         if removed:
@@ -438,7 +437,7 @@ class Recipe:
         by the step's trained tokens over all rows, then the gradients and the
         loss are summed over ranks (identical on every rank) before clipping.
         """
-        import torch
+        import torch  # lazy: torch
 
         world = self.world
         total = sum(row.n_targets for row in rows)
@@ -462,7 +461,7 @@ class Recipe:
         """One DPO step over the pairs ``indices``: rows of whole pairs dealt out round-robin like
         :meth:`optimizer_step`'s, gradients of the mean pair loss summed over ranks. Returns
         (mean pair loss, trained tokens, the step's reward margin and accuracy)."""
-        import torch
+        import torch  # lazy: torch
 
         world = self.world
         if world.size > 1:
@@ -479,7 +478,7 @@ class Recipe:
 
     def _update(self) -> None:
         """Clip, step the optimizer and the schedule, clear the gradients: the end of every step."""
-        import torch
+        import torch  # lazy: torch
 
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         if self.fault_step == self.progress.step + 1:   # the test suite's fault (jobenv.test_fault_step)
@@ -605,8 +604,8 @@ class Recipe:
         return path
 
     def _write_checkpoint(self, step: int, adapter: dict[str, Any], optimizer: dict[str, Any]) -> Path:
-        import torch
-        from safetensors.torch import save as save_safetensors
+        import torch  # lazy: torch
+        from safetensors.torch import save as save_safetensors  # lazy: safetensors
 
         tensors: dict[str, Any] = {
             "optimizer": optimizer,

@@ -525,9 +525,7 @@ def lazy_imports(path: Path) -> list[tuple[int, str]]:
 
 
 # Files whose owners are still changing them (issue 30, helpers H1-H3): each shrinks to none.
-PENDING_LAZY: dict[str, str] = {
-    "trainer/recipe.py": "H2: the job directory's names from trainer.contract.jobdir",
-}
+PENDING_LAZY: dict[str, str] = {}
 
 
 def test_imports_are_at_module_top_unless_a_comment_says_why() -> None:
