@@ -12,8 +12,8 @@ from accounting.gateway_facts import load_gateway_facts
 from accounting.render import FORMATS, check_format, fairshare_text, usage_text
 from accounting.usage import GROUPINGS, UsageReport, usage_report
 from accounting.window import DATE_HELP, AccountingError, Window, make_window
-from gateway.cli.util import friendly_errors
 from gateway.config import get_settings
+from gateway.errors import friendly_errors
 from gateway.slurm import SlurmClient, make_runner
 
 

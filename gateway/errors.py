@@ -13,10 +13,18 @@ importing each other. Two families:
   carry Slurm's own text live beside the code that produces it.
 
 Errors that never leave their module (a validation line, a broker verb, a
-layout refusal, a version race) stay in that module.
+layout refusal, a version race) stay in that module. :func:`friendly_errors` is the one
+mapping of both families to a command line's one-line error, shared by every command group
+(``gateway.cli``, ``accounting.cli``) so none imports another for it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+import click
 
 
 class ServiceError(Exception):
@@ -125,3 +133,14 @@ class StorageFailed(ServiceError):
 
 class SlurmError(Exception):
     """Base class of every error raised by ``gateway.slurm``."""
+
+
+def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn our errors into one clear line and exit 1; never a stack trace."""
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (SlurmError, ServiceError, ValueError, KeyError) as e:
+            raise click.ClickException(str(e).strip("'\"")) from e
+    return wrapper

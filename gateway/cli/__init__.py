@@ -9,7 +9,7 @@
   which runs on compute nodes too).
 
 Commands parse input, call one function, print; errors become one line through
-``gateway.cli.util.friendly_errors``. A group whose package is not installed is
+``gateway.errors.friendly_errors``. A group whose package is not installed is
 left out.
 """
 
@@ -35,16 +35,21 @@ for _command in (dev_cluster, admin, serve, reconcile, broker, demo,
 
 
 def _mount_optional_groups() -> None:
+    # Only a package that is not installed is left out: any other ImportError (a partial import,
+    # a broken module) is raised, never a group silently missing from `finetune`.
     try:
         from accounting.cli import register  # lazy: an optional group: mounted only when its package is installed
-    except ImportError:
-        pass
+    except ModuleNotFoundError as e:
+        if e.name != "accounting":
+            raise
     else:
         register(admin)
     # The model catalog's CLI imports no torch at module level, so mounting it keeps `finetune` light.
     try:
         from trainer.cli import models  # lazy: an optional group: mounted only when its package is installed
-    except ImportError:
+    except ModuleNotFoundError as e:
+        if e.name != "trainer":
+            raise
         return
 
     for name, command in (("show", show_model), ("bundle", bundle_model), ("promote", promote_model),

@@ -18,9 +18,9 @@ from typing import Any
 import click
 
 from gateway.cli.privsep import become_service_user
-from gateway.cli.util import friendly_errors
 from gateway.config import Settings, get_settings
 from gateway.devcluster.cluster import DevCluster
+from gateway.errors import friendly_errors
 from gateway.slurm.local import banner, prepare
 from gateway.storage.broker import main as broker_main
 from gateway.usercli import save_credentials, saved_url

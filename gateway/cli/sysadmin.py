@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 import click
 
-from gateway.cli.util import friendly_errors
 from gateway.config import get_settings
+from gateway.errors import friendly_errors
 from gateway.slurm import make_runner
 from gateway.slurm.client import SlurmClient
 from gateway.slurm.policy import diff_qos, load_policy, unmanaged_qos

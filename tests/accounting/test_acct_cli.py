@@ -45,7 +45,7 @@ def replay(monkeypatch: pytest.MonkeyPatch) -> Replay:
     r = Replay()
     monkeypatch.setattr(gateway.slurm, "make_runner", lambda *a, **k: r)
     monkeypatch.setattr(gateway.cli.sysadmin, "make_runner", lambda *a, **k: r)
-    monkeypatch.setattr("accounting.cli.make_runner", lambda *a, **k: r)    # gateway.cli imports it first
+    monkeypatch.setattr("accounting.cli.make_runner", lambda *a, **k: r)
     return r
 
 

@@ -6,8 +6,7 @@ own package and any LOWER row; never a higher row, never another package of its 
   row  package(s)
     0  trainer.contract     the gateway-trainer contract: stdlib + pydantic only
     1  gateway.errors, gateway.config, gateway.state
-    2  gateway.models, gateway.cli.util (click + gateway.errors: the error mapping every
-       command group shares, accounting.cli's too, so no CLI imports another for it)
+    2  gateway.models
     3  gateway.db
     4  gateway.slurm        the scheduler adapters; the only place Slurm command lines are built
     5  gateway.storage      tenant roots, unix identities and onboarding, the broker
@@ -318,7 +317,7 @@ def test_no_shell_true_anywhere() -> None:
 PACKAGE_ORDER: list[tuple[str, ...]] = [
     ("trainer.contract",),
     ("gateway.errors", "gateway.config", "gateway.state"),
-    ("gateway.models", "gateway.cli.util"),
+    ("gateway.models",),
     ("gateway.db",),
     ("gateway.slurm",),
     ("gateway.storage",),
