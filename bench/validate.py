@@ -11,7 +11,8 @@ memory, line-numbered errors) and counts tokens in batches with the chat templat
 
     python bench/validate.py [--mb 200] [--token-mb 20]
 
-Prints MB/s for each and the ratios. Runs on one core (OMP/RAYON threads = 1).
+Prints MB/s for each and the ratios: medians of ``--repeats`` (3) alternating runs of each side
+after one warm-up run of each (not counted). Runs on one core (OMP/RAYON threads = 1).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
+import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections import defaultdict  # noqa: E402
@@ -118,6 +120,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=200, help="file size without token counting")
     ap.add_argument("--token-mb", type=int, default=20, help="file size with token counting")
+    ap.add_argument("--repeats", type=int, default=3, help="alternating timed runs of each side (after a warm-up)")
     args = ap.parse_args()
     from gateway.datasets.tokencount import HFTokenCounter
     from trainer import catalog
@@ -130,14 +133,21 @@ def main() -> None:
                                        ("with token counting", args.token_mb, True)):
             path = tmpd / f"data-{mb}.jsonl"
             size = make_file(path, mb)
-            t_ref, ref = timed(reference_check, path, counter.tok if with_tokens else None)
-            t_ours, rep = timed(ours, path, counter if with_tokens else None)
-            assert rep["stats"]["examples"] == ref["examples"] and rep["ok"]
+            refs: list[float] = []
+            ourss: list[float] = []
+            for i in range(args.repeats + 1):   # run 0 is the warm-up of each side
+                t_ref, ref = timed(reference_check, path, counter.tok if with_tokens else None)
+                t_ours, rep = timed(ours, path, counter if with_tokens else None)
+                assert rep["stats"]["examples"] == ref["examples"] and rep["ok"]
+                if i:
+                    refs.append(t_ref)
+                    ourss.append(t_ours)
+            t_ref, t_ours = statistics.median(refs), statistics.median(ourss)
             mbs = size / 1024 / 1024
             print(f"{label:<22} {mbs:7.1f} MB  {rep['stats']['examples']:>8} examples")
             print(f"  reference (cookbook style): {t_ref:7.2f} s  {mbs / t_ref:8.1f} MB/s")
             print(f"  slurm-finetune validator:   {t_ours:7.2f} s  {mbs / t_ours:8.1f} MB/s")
-            print(f"  ratio ours/reference:       {t_ref / t_ours:7.2f}x")
+            print(f"  ratio ours/reference:       {t_ref / t_ours:7.2f}x  (medians of {args.repeats})")
 
 
 if __name__ == "__main__":
