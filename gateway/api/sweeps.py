@@ -25,7 +25,8 @@ class CreateSweep(BaseModel):
     training_file: Annotated[str, Field(pattern=JOB_ID)]
     validation_file: Annotated[str, Field(pattern=JOB_ID)]
     grid: Annotated[dict[Literal[svc.GRID_KEYS + tuple(openai.OURS)],     # type: ignore[valid-type]
-                         Annotated[list[Value], Field(min_length=1, max_length=svc.MAX_VALUES)]],
+                         Annotated[list[Value], Field(min_length=1, max_length=svc.MAX_VALUES,
+                                                      json_schema_extra={"uniqueItems": True})]],
                     Field(min_length=1, max_length=len(svc.GRID_KEYS) + len(openai.OURS))]
     hyperparameters: dict[str, Any] | None = None        # shared by every run
     suffix: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] | None = None
@@ -39,6 +40,8 @@ def create_sweep(body: CreateSweep, request: Request, session: SessionDep, setti
     submitter = request.app.state.submitter
     if submitter is None:
         raise ServiceError("this gateway has no Slurm connection: jobs cannot run", code="no_backend")
+    svc.check_files(session=session, principal=principal, training_file=body.training_file,
+                    validation_file=body.validation_file)
     points = svc.expand(dict(body.grid), settings.max_sweep_runs, svc.GRID_KEYS + tuple(openai.OURS))
     req = svc.SweepRequest(training_file=body.training_file, validation_file=body.validation_file,
                            model=body.model, grid=dict(body.grid), points=[openai.to_ours(p, "grid") for p in points],

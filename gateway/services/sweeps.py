@@ -90,6 +90,21 @@ def expand(grid: dict[str, list[Any]], max_runs: int,
     return [dict(zip(keys, point, strict=True)) for point in itertools.product(*(grid[k] for k in keys))]
 
 
+def check_files(*, session: Session, principal: Principal, training_file: str, validation_file: str | None) -> None:
+    """Both files of a sweep usable by the caller: 404 for a file that is not the tenant's, 400 without
+    a validation file. The API calls it before it expands and translates the grid, so a request naming
+    missing files is answered 404 whatever its grid holds (as one job's is), and ``create_sweep`` again.
+
+    Raises:
+        ServiceError: 400 without ``validation_file``; NotFound (404) for a file that is not the tenant's.
+    """
+    if not validation_file:
+        raise ServiceError("a sweep compares its runs by validation loss: give validation_file",
+                           param="validation_file")
+    for param, file_id in (("training_file", training_file), ("validation_file", validation_file)):
+        jobcreate.usable_file(session, principal, file_id, param)
+
+
 def create_sweep(*, session: Session, settings: Settings, principal: Principal, req: SweepRequest,
                  submit: jobcreate.Submit) -> Sweep:
     """Validate, admit and record every run, then submit them as one job array (see the module doc).
@@ -97,11 +112,8 @@ def create_sweep(*, session: Session, settings: Settings, principal: Principal, 
     sbatch fails every run with Slurm's words, as ``submit_job`` does for one job."""
     tid = jobreads.tenant_id_of(principal)
     assert principal.tenant_name is not None
-    if not req.validation_file:
-        raise ServiceError("a sweep compares its runs by validation loss: give validation_file",
-                           param="validation_file")
-    for param, file_id in (("training_file", req.training_file), ("validation_file", req.validation_file)):
-        jobcreate.usable_file(session, principal, file_id, param)      # 404 for a file that is not the tenant's
+    check_files(session=session, principal=principal, training_file=req.training_file,
+                validation_file=req.validation_file)
     shared = req.hyperparameters             # our names, as the grid's (gateway.api.openai translated OpenAI's)
     points = req.points if req.points is not None else expand(req.grid, settings.max_sweep_runs)
     overlap = sorted(set(points[0]) & set(shared))

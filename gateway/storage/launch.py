@@ -72,19 +72,27 @@ def _peer_pid(path: Path) -> int | None:
 
 
 def _retire(path: Path, wait_s: float = 10.0) -> None:
-    """Stop the broker listening at ``path`` (SIGTERM to its pid; its in-flight children finish)."""
-    import signal
-
+    """Stop the broker listening at ``path``: SIGTERM to its pid (its in-flight children finish),
+    SIGKILL when it has not exited within ``wait_s``. It waits for the process to end, not only for
+    the socket to go quiet, so a replaced broker never lingers beside its successor; the process is
+    held by a pidfd from before the signal, so a reused pid is never signalled."""
     pid = _peer_pid(path)
     if pid is None or pid <= 1:
+        print(f"storage broker at {path}: no pid to stop (SO_PEERCRED gave {pid})", file=sys.stderr, flush=True)
         return
     try:
-        os.kill(pid, signal.SIGTERM)
+        pidfd = os.pidfd_open(pid)
     except ProcessLookupError:
         return
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and answers(path):
-        time.sleep(0.05)
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+        if not select.select([pidfd], [], [], wait_s)[0]:       # readable once the process has exited
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            select.select([pidfd], [], [], wait_s)
+    except ProcessLookupError:
+        pass
+    finally:
+        os.close(pidfd)
 
 
 def ensure_broker(socket_path: Path, service_user: str | None, wait_s: float = 15.0) -> None:
