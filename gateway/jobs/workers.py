@@ -31,37 +31,40 @@ class Workers:
     def __init__(self, engine: Engine, settings: Settings, client: Scheduler, owner: Callable[[str], Owner]):
         self.engine, self.settings, self.client, self.owner = engine, settings, client, owner
         self._lock = threading.Lock()
-        self._cancelling: set[int] = set()
-        self._pausing: set[int] = set()
-        self._delivering = False
+        self._running: set[str] = set()      # the thread names in flight: one of each at a time
+
+    def _once(self, name: str, work: Callable[[], None]) -> None:
+        """Run ``work`` in a daemon thread called ``name`` unless one of that name is still running;
+        the name is free again when ``work`` ends, however it ends."""
+        with self._lock:
+            if name in self._running:
+                return
+            self._running.add(name)
+
+        def run() -> None:
+            try:
+                work()
+            finally:
+                with self._lock:
+                    self._running.discard(name)
+
+        threading.Thread(target=run, name=name, daemon=True).start()
 
     def start_deliveries(self) -> None:
         """POST the due webhook deliveries (``services.webhooks.deliver_due``) in a thread, one at a time:
         a slow receiver never delays a cycle."""
-        with self._lock:
-            if self._delivering:
-                return
-            self._delivering = True
-
         def work() -> None:
             try:
                 webhooks.deliver_due(self.engine, self.settings)
             except Exception:
                 log.exception("webhook deliveries failed")
-            finally:
-                with self._lock:
-                    self._delivering = False
 
-        threading.Thread(target=work, name="webhooks", daemon=True).start()
+        self._once("webhooks", work)
 
     def start_cancel(self, slurm_id: int | None, tenant: str) -> None:
         """Run ``Scheduler.cancel`` in a thread, once per Slurm job at a time, for ``tenant``'s job only."""
         if slurm_id is None:
             return
-        with self._lock:
-            if slurm_id in self._cancelling:
-                return
-            self._cancelling.add(slurm_id)
 
         def work() -> None:
             try:
@@ -70,21 +73,14 @@ class Workers:
                          res.escalated)
             except SlurmError as e:
                 log.warning("cancel of Slurm job %s: %s", slurm_id, e)
-            finally:
-                with self._lock:
-                    self._cancelling.discard(slurm_id)
 
-        threading.Thread(target=work, name=f"cancel-{slurm_id}", daemon=True).start()
+        self._once(f"cancel-{slurm_id}", work)
 
     def start_pause(self, slurm_id: int | None, tenant: str) -> None:
         """Hold the Slurm job and send it the checkpoint signal (``Scheduler.pause``), once per
         job at a time, in a thread; the reconciler repeats it while Slurm still runs the job."""
         if slurm_id is None:
             return
-        with self._lock:
-            if slurm_id in self._pausing:
-                return
-            self._pausing.add(slurm_id)
 
         def work() -> None:
             try:
@@ -92,11 +88,8 @@ class Workers:
                 log.info("Slurm job %s: pause (was %s)", slurm_id, was)
             except SlurmError as e:
                 log.warning("pause of Slurm job %s: %s", slurm_id, e)
-            finally:
-                with self._lock:
-                    self._pausing.discard(slurm_id)
 
-        threading.Thread(target=work, name=f"pause-{slurm_id}", daemon=True).start()
+        self._once(f"pause-{slurm_id}", work)
 
     def release(self, slurm_id: int | None, tenant: str) -> None:
         """Release ``tenant``'s Slurm job's hold now (the resume); SlurmError when Slurm refuses or the
