@@ -42,18 +42,22 @@ from typing import Any
 from gateway.slurm.runner import TENANT_SBATCH, LocalRunner  # loaded as root: a child may not read code
 from gateway.storage import identities, layout, safefs
 from gateway.storage.verbs import VERBS, Ctx, Reply, VerbError
+from trainer.contract import jobdir
 
 
 def code_id() -> str:
-    """A digest of the code this broker runs (its package's storage modules): a gateway started
-    after an upgrade compares it with its own and replaces a broker still running the old code
-    (``launch.ensure_broker``), so a fix to a verb never waits for a reboot."""
+    """A digest of the code this broker runs (its package's storage modules and the contract's
+    job-directory names): a gateway started after an upgrade compares it with its own and replaces
+    a broker still running the old code (``launch.ensure_broker``), so a fix to a verb never waits
+    for a reboot."""
     import hashlib
 
     here = Path(__file__).resolve().parent
     digest = hashlib.sha256()
     for name in ("broker.py", "verbs.py", "safefs.py", "layout.py", "identities.py", "__init__.py"):
         digest.update(name.encode() + b"\0" + (here / name).read_bytes())
+    # the job directory's names the verbs open come from the contract: a rename there is a new broker too
+    digest.update(b"jobdir.py\0" + Path(jobdir.__file__).read_bytes())
     return digest.hexdigest()[:16]
 
 
