@@ -387,6 +387,9 @@ def serve(socket_path: Path, allowed_uids: set[int]) -> None:
         socket_path.unlink()
     except FileNotFoundError:
         pass
+    # SIGTERM stops it cleanly, whatever the starting process had blocked or set (both are inherited)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGCHLD, signal.SIGINT})
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)
     srv.bind(str(socket_path))
@@ -400,7 +403,6 @@ def serve(socket_path: Path, allowed_uids: set[int]) -> None:
         os.set_blocking(fd, False)
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
     signal.signal(signal.SIGCHLD, lambda *_: None)    # reaped by Children.police, never by the kernel
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(f"storage broker: listening on {socket_path} for uids {sorted(allowed_uids)}", flush=True)
     import gc
 

@@ -71,6 +71,19 @@ def _peer_pid(path: Path) -> int | None:
         s.close()
 
 
+def _proc_state(pid: int) -> str:
+    """What a process that ignored SIGTERM was doing: its state, threads, blocked and caught signals
+    and where the kernel holds it, from /proc (for the log line before the SIGKILL)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+    except OSError as e:
+        return f"/proc unreadable: {e.strerror}"
+    keep = ("State", "Threads", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+    fields = [line.replace("\t", " ") for line in lines if line.split(":")[0] in keep]
+    return ", ".join(fields + [f"wchan {wchan}"])
+
+
 def _retire(path: Path, wait_s: float = 10.0) -> None:
     """Stop the broker listening at ``path``: SIGTERM to its pid (its in-flight children finish),
     SIGKILL when it has not exited within ``wait_s``. It waits for the process to end, not only for
@@ -87,6 +100,8 @@ def _retire(path: Path, wait_s: float = 10.0) -> None:
     try:
         signal.pidfd_send_signal(pidfd, signal.SIGTERM)
         if not select.select([pidfd], [], [], wait_s)[0]:       # readable once the process has exited
+            print(f"storage broker {pid} did not exit {wait_s:g} s after SIGTERM ({_proc_state(pid)}): "
+                  "SIGKILL", file=sys.stderr, flush=True)
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
             select.select([pidfd], [], [], wait_s)
     except ProcessLookupError:

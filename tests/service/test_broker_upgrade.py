@@ -29,9 +29,10 @@ def test_a_broker_running_other_code_is_replaced_and_a_current_one_kept(tmp_path
     verbs = old / "gateway" / "storage" / "verbs.py"
     verbs.write_text(verbs.read_text() + "\n# the release before this one\n")
     sock = tmp_path / "broker.sock"
+    log = (tmp_path / "old-broker.log").open("wb")
     stale = subprocess.Popen([sys.executable, "-c", "from gateway.storage.broker import main; main()",
                               "--socket", str(sock)], env={"PATH": os.environ["PATH"], "PYTHONPATH": str(old)},
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/")
+                             stdout=log, stderr=subprocess.STDOUT, cwd="/")
     current: int | None = None
     try:
         deadline = time.monotonic() + 20
@@ -42,7 +43,10 @@ def test_a_broker_running_other_code_is_replaced_and_a_current_one_kept(tmp_path
         assert old_code is not None and old_code != CODE_ID and old_pid == stale.pid
         monkeypatch.setenv("PYTHONPATH", str(ROOT))      # the new broker runs this checkout's code
         ensure_broker(sock, None)
-        assert stale.wait(timeout=15) == 0               # SIGTERM: it exits cleanly
+        rc = stale.wait(timeout=15)
+        mask = [line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("Sig")]
+        assert rc == 0, f"the old broker did not exit on SIGTERM (rc {rc}; this test's process: {mask}); " \
+            "its output: " + (tmp_path / "old-broker.log").read_text(errors="replace")[-2000:]
         code, current = running_code(sock)
         assert code == CODE_ID and current not in (None, stale.pid)
         ensure_broker(sock, None)                        # current code: left running

@@ -17,9 +17,10 @@ import pytest
 from tests.slurm.livegateway import STORAGE, LiveGateway, chat_file, terminal
 
 pytestmark = pytest.mark.slurm
-TENANT = "t-dpo-mem"
+TENANT, SFT_TENANT = "t-dpo-mem", "t-sft-mem"   # two tenants: the two jobs run side by side (two nodes)
 EXAMPLES = 60
-HP = {"n_epochs": 1, "max_steps": 2}   # otherwise the defaults (max_seq_len 2048, batch_size_tokens 4096)
+HP = {"n_epochs": 1, "max_steps": 1}   # otherwise the defaults (max_seq_len 2048, batch_size_tokens 4096);
+                                       # the old code was killed in its first step
 
 
 def _smollm2() -> str:
@@ -32,7 +33,7 @@ def _smollm2() -> str:
 
 @pytest.fixture(scope="module")
 def gw(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
-    g = LiveGateway(tmp_path_factory.mktemp("dpo-memory"), (TENANT,))
+    g = LiveGateway(tmp_path_factory.mktemp("dpo-memory"), (TENANT, SFT_TENANT))
     yield g
     g.stop()
 
@@ -66,19 +67,24 @@ def _bytes(text: str) -> int:
     return int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text or 0)
 
 
-def _run(gw: LiveGateway, model: str, file_id: str, method: dict[str, Any] | None) -> dict[str, Any]:
-    """Run one job to its end; return it with its sacct figures and the cgroup's peak."""
-    extra = {"method": method, "hyperparameters": None} if method else {}  # DPO's are the method's
-    job = gw.create(TENANT, file_id, HP, model=model, **extra)
-    peak: int | None = None
+def _run(gw: LiveGateway, jobs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Run the jobs (tenant -> job) side by side to their ends; return each with its sacct figures
+    and the cgroup's peak."""
+    peak: dict[str, int | None] = dict.fromkeys(jobs)
     deadline = time.monotonic() + 600
-    while not terminal(job := gw.job(TENANT, job["id"])):
-        assert time.monotonic() < deadline, f"job {job['id']} still {job['status']} ({job.get('phase')})"
-        if job.get("slurm_job_id"):
-            peak = _cgroup_peak(int(job["slurm_job_id"])) or peak
+    while not all(terminal(job) for job in jobs.values()):
+        for tenant, job in jobs.items():
+            assert time.monotonic() < deadline, f"job {job['id']} still {job['status']} ({job.get('phase')})"
+            if not terminal(job):
+                jobs[tenant] = job = gw.job(tenant, job["id"])
+            if job.get("slurm_job_id") and not terminal(job):
+                peak[tenant] = _cgroup_peak(int(job["slurm_job_id"])) or peak[tenant]
         time.sleep(0.5)
-    state, maxrss, limit = _sacct(int(job["slurm_job_id"]))
-    return {**job, "sacct_state": state, "maxrss": maxrss, "limit": limit, "cgroup_peak": peak}
+    done = {}
+    for tenant, job in jobs.items():
+        state, maxrss, limit = _sacct(int(job["slurm_job_id"]))
+        done[tenant] = {**job, "sacct_state": state, "maxrss": maxrss, "limit": limit, "cgroup_peak": peak[tenant]}
+    return done
 
 
 def test_smollm2_dpo_job_succeeds_within_1_5x_the_supervised_jobs_memory(gw: LiveGateway,
@@ -87,9 +93,11 @@ def test_smollm2_dpo_job_succeeds_within_1_5x_the_supervised_jobs_memory(gw: Liv
 
     model = _smollm2()
     pairs = gw.upload(TENANT, write_jsonl(tmp_path / "pairs.jsonl", toy_preferences(EXAMPLES, seed=1)))
-    chats = gw.upload(TENANT, chat_file(tmp_path / "chat.jsonl", EXAMPLES, seed=1))
-    sft = _run(gw, model, chats, None)
-    dpo = _run(gw, model, pairs, {"type": "dpo", "dpo": {"hyperparameters": {**HP, "beta": 0.1}}})
+    chats = gw.upload(SFT_TENANT, chat_file(tmp_path / "chat.jsonl", EXAMPLES, seed=1))
+    method = {"type": "dpo", "dpo": {"hyperparameters": {**HP, "beta": 0.1}}}
+    ran = _run(gw, {SFT_TENANT: gw.create(SFT_TENANT, chats, HP, model=model),
+                    TENANT: gw.create(TENANT, pairs, None, model=model, method=method, hyperparameters=None)})
+    sft, dpo = ran[SFT_TENANT], ran[TENANT]
     gib = 1 << 30
     for name, job in (("supervised", sft), ("dpo", dpo)):
         peak = f"{job['cgroup_peak'] / gib:.2f} GiB" if job["cgroup_peak"] else "-"
