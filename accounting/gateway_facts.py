@@ -10,7 +10,7 @@ of a misleading zero. Read-only: one query per kind of fact over the window.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from accounting.window import Window
@@ -48,6 +48,14 @@ class ScrubFailure:
 class GatewayFacts:
     cancellations: tuple[Cancellation, ...] = ()
     scrub_failures: tuple[ScrubFailure, ...] = ()
+    # Slurm job id -> (tenant, who submitted it): the gateway's own record (``created_by``)
+    submitters: dict[int, tuple[str, str]] = field(default_factory=dict)
+
+    def submitter(self, slurm_job_id: int, account: str | None) -> str | None:
+        """Who submitted Slurm job ``slurm_job_id`` through the gateway (a person's username, or
+        ``token:<name>``); None when the gateway did not submit it for that tenant's account."""
+        tenant, who = self.submitters.get(slurm_job_id, (None, None))
+        return who if tenant is not None and tenant == account else None
 
 
 def load_gateway_facts(database_url: str, window: Window) -> GatewayFacts | None:
@@ -84,8 +92,11 @@ def load_gateway_facts(database_url: str, window: Window) -> GatewayFacts | None
             scrubs = tuple(ScrubFailure(j.slurm_job_id, names.get(j.tenant_id), str((j.progress or {}).get("node")),
                                         j.finished_at, "the epilog's scrub failed; the node was drained")
                            for j in failed if j.finished_at is not None)
+            made = s.exec(select(FineTuningJob.slurm_job_id, FineTuningJob.tenant_id, FineTuningJob.created_by).where(
+                col(FineTuningJob.slurm_job_id).is_not(None), col(FineTuningJob.created_at) < window.end))
+            submitters = {int(sid or 0): (names.get(tid, "?"), by or "(before persons)") for sid, tid, by in made}
     except (OSError, sa.exc.SQLAlchemyError):
         return None
     finally:
         engine.dispose()
-    return GatewayFacts(cancellations, scrubs)
+    return GatewayFacts(cancellations, scrubs, submitters)

@@ -28,7 +28,8 @@ from accounting.window import AccountingError, Window
 from gateway.slurm.records import AcctRecord
 from gateway.state import SlurmState
 
-GROUPINGS = ("tenant", "user", "qos", "day")
+GROUPINGS = ("tenant", "user", "person", "qos", "day")
+NOT_VIA_GATEWAY = "(not via the gateway)"
 UNKNOWN = "(unknown)"
 
 
@@ -154,7 +155,11 @@ class UsageReport:
     skipped: tuple[str, ...] = ()                          # sacct records that did not parse: flagged, not counted
 
 
-def _group_key(r: AcctRecord, by: str) -> str:
+def _group_key(r: AcctRecord, by: str, facts: GatewayFacts | None = None) -> str:
+    if by == "person":      # the gateway's record of who submitted the job, never a field Slurm carries
+        if facts is None:
+            return UNKNOWN
+        return facts.submitter(r.job_id_raw, r.account) or NOT_VIA_GATEWAY
     value = {"tenant": r.account, "user": r.user, "qos": r.qos}[by]
     return value or UNKNOWN
 
@@ -193,7 +198,7 @@ def usage_report(records: Sequence[AcctRecord], window: Window, *, by: str = "te
             return window.clamp(t).date().isoformat()
         if r is None:
             return (tenant or UNKNOWN) if by == "tenant" else UNKNOWN
-        return _group_key(r, by)
+        return _group_key(r, by, facts)
 
     def both(key: str) -> tuple[_Acc, _Acc]:
         return accs[key], total
@@ -203,7 +208,7 @@ def usage_report(records: Sequence[AcctRecord], window: Window, *, by: str = "te
     for r in records:
         gpus, cpus = r.gpus if r.ran else 0, tres_count(r.alloc_tres, "cpu")
         for day, secs in charged_pieces(r, window, now):
-            for a in both(day.isoformat() if by == "day" else _group_key(r, by)):
+            for a in both(day.isoformat() if by == "day" else _group_key(r, by, facts)):
                 a.gpu_s += gpus * secs
                 a.cpu_s += cpus * secs
             tenant_day[r.account or UNKNOWN][day.isoformat()] += gpus * secs / 3600

@@ -9,7 +9,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from trainer.contract.spec import HYPERPARAMETER_DEFAULTS
@@ -113,6 +113,10 @@ class Settings(BaseSettings):
     ssh_key: Path | None = None
     ssh_known_hosts: Path | None = None
     slurm_timeout_s: float = 60.0
+    # Signing in (gateway.access.signin): how long a personal token lives, and the URLs a MUNGE
+    # sign-in credential may be bound to (default: the URL the request came in on).
+    personal_token_hours: float = Field(default=12.0, gt=0, le=24 * 30)
+    public_urls: list[str] = []
     # The CLI's connection to a gateway (else from `finetune login`'s credentials file).
     api_url: str | None = None
     api_token: str | None = None

@@ -72,6 +72,48 @@ class Tenant(SQLModel, table=True):
     name: str = Field(index=True, unique=True, max_length=24)
     unix_user: str = Field(max_length=32)
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    # who the tenant's people are (gateway.access.signin): the members of these unix groups as
+    # NSS reports them (local files, sssd/LDAP), and the explicit TenantMember rows
+    unix_group: str | None = Field(default=None, max_length=32)
+    admin_group: str | None = Field(default=None, max_length=32)
+
+
+class TenantMember(SQLModel, table=True):
+    """An explicit member (sites without groups): the unix user ``username`` belongs to the tenant."""
+
+    __tablename__ = "tenant_members"
+    __table_args__ = (sa.UniqueConstraint("tenant_id", "username", name="uq_tenant_member"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    tenant_id: int = Field(foreign_key="tenants.id", index=True)
+    username: str = Field(max_length=32)
+    admin: bool = False
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+
+
+class Person(SQLModel, table=True):
+    """Someone who signed in with the site's identity (a unix account: MUNGE on a cluster host, or the
+    site's OpenID Connect provider mapped to one): behind their personal tokens, jobs, files and audit
+    entries."""
+
+    __tablename__ = "persons"
+
+    id: int | None = Field(default=None, primary_key=True)
+    username: str = Field(index=True, unique=True, max_length=32)
+    uid: int
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    last_sign_in_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    last_via: str | None = Field(default=None, max_length=16)     # munge | peercred | oidc
+
+
+class SignInNonce(SQLModel, table=True):
+    """A sign-in credential's nonce, kept until the credential expires: a second use is a replay,
+    on any gateway sharing this database (each host's munged keeps only its own replay cache)."""
+
+    __tablename__ = "sign_in_nonces"
+
+    nonce: str = Field(primary_key=True, max_length=64)
+    expires_at: datetime = Field(sa_type=UTCDateTime, index=True)
 
 
 class ApiToken(SQLModel, table=True):
@@ -96,6 +138,10 @@ class ApiToken(SQLModel, table=True):
     claim_code_hash: str | None = Field(default=None, max_length=64, index=True, unique=True)
     claim_expires_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     claimed_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    # a personal token (sign-in) names its person and expires; a service token has neither
+    person_id: int | None = Field(default=None, foreign_key="persons.id", index=True)
+    via: str | None = Field(default=None, max_length=16)          # munge | peercred | oidc
+    expires_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
 
 
 class DataFile(SQLModel, table=True):
@@ -118,6 +164,7 @@ class DataFile(SQLModel, table=True):
     # result files live elsewhere than datasets/: their path relative to the tenant dir
     path: str | None = Field(default=None, max_length=300)
     job_id: str | None = Field(default=None, max_length=40, index=True)
+    created_by: str | None = Field(default=None, max_length=64)   # gateway.access.tokens.who
 
 
 class FineTuningJob(SQLModel, table=True):
@@ -175,6 +222,9 @@ class FineTuningJob(SQLModel, table=True):
     expected_start: datetime | None = Field(default=None, sa_type=UTCDateTime)   # Slurm's plan while pending
     progress: dict[str, Any] | None = Field(default=None, sa_type=sa.JSON)
     events_offset: int = Field(default=0)
+    # who submitted it, as the gateway recorded it (never from Slurm): a person's username, or
+    # "token:<name or #id>" for a service token (gateway.access.tokens.who)
+    created_by: str | None = Field(default=None, max_length=64, index=True)
 
 
 class JobEvent(SQLModel, table=True):
@@ -238,6 +288,7 @@ class AuditEntry(SQLModel, table=True):
     at: datetime = Field(sa_type=UTCDateTime)
     actor_token_id: int | None = None
     actor_role: str = Field(max_length=16)
+    actor: str | None = Field(default=None, max_length=100)    # "alice via munge"; hashed when set
     tenant: str | None = Field(default=None, max_length=24, index=True)
     resource: str | None = Field(default=None, max_length=60)
     action: str = Field(max_length=40)

@@ -61,6 +61,7 @@ HASHED_FIELDS = ("seq", "at", "actor_token_id", "actor_role", "tenant", "resourc
 class Actor:
     token_id: int | None
     role: str
+    label: str | None = None      # the person or service token: "alice via munge", "service token 'ci'"
 
 
 def canonical(fields: dict[str, Any]) -> bytes:
@@ -69,6 +70,8 @@ def canonical(fields: dict[str, Any]) -> bytes:
     for k in HASHED_FIELDS:
         v = fields.get(k)
         out[k] = v.astimezone(UTC).isoformat(timespec="microseconds") if isinstance(v, datetime) else v
+    if fields.get("actor") is not None:      # entries from before persons (migration 0017) keep their hashes
+        out["actor"] = fields["actor"]
     return json.dumps(out, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -78,7 +81,7 @@ def entry_hash(fields: dict[str, Any]) -> str:
 
 
 def _fields(e: AuditEntry) -> dict[str, Any]:
-    return {k: getattr(e, k) for k in HASHED_FIELDS}
+    return {k: getattr(e, k) for k in (*HASHED_FIELDS, "actor")}
 
 
 # ------------------------------------------------------------------ the anchor key
@@ -266,7 +269,8 @@ def append(db: Session | Connection, *, at: datetime, actor: Actor, action: str,
         head_t.c.seq, head_t.c.hash, head_t.c.mac, head_t.c.key_id).where(head_t.c.id == 1)).one()
     # Round to µs so the hashed value is exactly what both databases store and return.
     fields = {"seq": seq, "at": at.astimezone(UTC), "actor_token_id": actor.token_id, "actor_role": actor.role,
-              "tenant": tenant, "resource": resource, "action": action, "grant_id": grant_id,
+              "actor": actor.label[:100] if actor.label else None, "tenant": tenant, "resource": resource,
+              "action": action, "grant_id": grant_id,
               "outcome": outcome, "reason": reason[:500], "prev_hash": prev}
     digest = entry_hash(fields)
     db.execute(sa.insert(AuditEntry.__table__).values(**fields, hash=digest))  # type: ignore[attr-defined]

@@ -31,7 +31,7 @@ from gateway.access.policy import (
     parse_resource,
     request_state,
 )
-from gateway.access.tokens import Principal, decide_refusal
+from gateway.access.tokens import Principal, actor, decide_refusal
 from gateway.errors import Conflict, Forbidden, NotFound, ServiceError
 from gateway.models import AccessRequest, AuditEntry, DataFile, FineTuningJob, JobEvent, Role, Tenant
 
@@ -45,11 +45,6 @@ def db_now(db: Any) -> datetime:
         return datetime.fromisoformat(raw).replace(tzinfo=UTC)
     value: datetime = db.execute(sa.text("SELECT CURRENT_TIMESTAMP")).scalar_one()
     return value.astimezone(UTC)
-
-
-def actor(principal: Principal) -> audit.Actor:
-    """The audit actor for ``principal``: its token id and role."""
-    return audit.Actor(principal.token_id, principal.role.value)
 
 
 def _operator(principal: Principal) -> None:
@@ -360,5 +355,6 @@ def tenant_audit(*, session: Session, principal: Principal, after: int | None, l
 def audit_object(e: AuditEntry) -> dict[str, Any]:
     """The API shape of an audit entry (``audit.entry``), its hash included."""
     return {"object": "audit.entry", "seq": e.seq, "at": e.at.isoformat(), "actor_token_id": e.actor_token_id,
-            "actor_role": e.actor_role, "tenant": e.tenant, "resource": e.resource, "action": e.action,
+            "actor_role": e.actor_role, "actor": e.actor, "tenant": e.tenant, "resource": e.resource,
+            "action": e.action,
             "grant_id": e.grant_id, "outcome": e.outcome, "reason": e.reason, "hash": e.hash}

@@ -41,10 +41,10 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
-from gateway.access import audit
+from gateway.access import audit, members
 from gateway.access.policy import OPERATOR_ROLES
 from gateway.errors import Conflict, Forbidden, NotFound, ServiceError
-from gateway.models import TENANT_ROLES, ApiToken, Role, Tenant, utcnow
+from gateway.models import TENANT_ROLES, ApiToken, Person, Role, Tenant, utcnow
 from gateway.storage import layout
 
 if TYPE_CHECKING:
@@ -66,6 +66,27 @@ class Principal:
     tenant_name: str | None
     unix_user: str | None
     operator_minted: bool = False     # an operator may hold this token's secret: its reads are audited
+    person: str | None = None         # a personal token's person (unix username); None: a service token
+    via: str | None = None            # how that person signed in: munge | peercred | oidc
+    token_name: str = ""
+
+
+def actor_label(p: Principal) -> str:
+    """Who acted, for the audit log: ``alice via munge``, ``service token 'ci' of tenant acme``."""
+    if p.person:
+        return f"{p.person} via {p.via or 'sign-in'}"
+    name = f"{p.token_name!r}" if p.token_name else f"#{p.token_id}"
+    return f"{p.role.value} token {name}" + (f" of tenant {p.tenant_name}" if p.tenant_name else "")
+
+
+def who(p: Principal) -> str:
+    """What a job or file records as its maker: the person, else ``token:<name or #id>``."""
+    return p.person or f"token:{p.token_name or '#' + str(p.token_id)}"
+
+
+def actor(p: Principal) -> audit.Actor:
+    """The audit log's actor for ``p``: its token, its role and who it is."""
+    return audit.Actor(p.token_id, p.role.value, actor_label(p))
 
 
 @dataclass(frozen=True)
@@ -114,14 +135,16 @@ def _tenant_name(session: Session, row: ApiToken) -> str | None:
 def create_token(*, session: Session, role: Role, tenant: Tenant | None, name: str = "",
                  minted_by: Minter | None = None, now: datetime | None = None,
                  operator: bool | None = None, note: str = "",
-                 claim: tuple[str, datetime] | None = None) -> tuple[str, ApiToken]:
+                 claim: tuple[str, datetime] | None = None, person: Person | None = None,
+                 via: str | None = None, expires_at: datetime | None = None) -> tuple[str, ApiToken]:
     """Create a token; return (the secret, shown only now; its row). Audited in the same
     transaction, under the tenant's name for tenant tokens: an ``alert`` entry when an
     operator mints it (not for a rotation or claim, which pass ``operator``).
 
     ``minted_by`` defaults to the local admin CLI (anything with the database at hand is
     the operator side); ``operator`` overrides the minter's provenance (a rotation keeps
-    the old token's, a claim clears it); ``claim``: its claim code's hash and expiry.
+    the old token's, a claim clears it); ``claim``: its claim code's hash and expiry;
+    ``person``, ``via``, ``expires_at``: a personal token (``gateway.access.signin``).
     """
     if role in TENANT_ROLES and tenant is None:
         raise ServiceError(f"role {role.value} needs --tenant", param="tenant")
@@ -135,7 +158,8 @@ def create_token(*, session: Session, role: Role, tenant: Tenant | None, name: s
     row = ApiToken(tenant_id=tenant.id if tenant else None, role=role.value, name=name, created_at=now,
                    prefix=secret[:10], token_hash=hash_token(secret), minted_by=minter.label[:100],
                    minted_by_token_id=minter.token_id, minted_by_operator=by_operator,
-                   claim_code_hash=claim[0] if claim else None, claim_expires_at=claim[1] if claim else None)
+                   claim_code_hash=claim[0] if claim else None, claim_expires_at=claim[1] if claim else None,
+                   person_id=person.id if person else None, via=via, expires_at=expires_at)
     session.add(row)
     session.flush()
     if claim and row.id is not None and operator is None:
@@ -148,7 +172,7 @@ def create_token(*, session: Session, role: Role, tenant: Tenant | None, name: s
     if alert:
         flag += ("; an operator may hold its secret: every read of your data made with it is audited. "
                  "Not asked for? Revoke it (`finetune tokens revoke`)")
-    audit.append(session, at=now, actor=audit.Actor(minter.token_id, minter.role), action="token.create",
+    audit.append(session, at=now, actor=audit.Actor(minter.token_id, minter.role, minter.label), action="token.create",
                  outcome=audit.ALERT if alert else audit.ALLOWED, tenant=tenant.name if tenant else None,
                  resource=f"token:{row.id}", reason=f"{_describe(row)} minted by {minter.label}{flag}{note}")
     return secret, row
@@ -161,9 +185,18 @@ def authenticate(*, session: Session, token: str) -> Principal | None:
     row = session.exec(select(ApiToken).where(ApiToken.token_hash == hash_token(token))).first()
     if row is None or row.revoked_at is not None or row.id is None:
         return None
+    if row.expires_at is not None and row.expires_at <= utcnow():
+        return None
     tenant = session.get(Tenant, row.tenant_id) if row.tenant_id is not None else None
-    return Principal(row.id, Role(row.role), row.tenant_id, tenant.name if tenant else None,
-                     tenant.unix_user if tenant else None, row.minted_by_operator)
+    role, person = Role(row.role), session.get(Person, row.person_id) if row.person_id is not None else None
+    if row.person_id is not None:           # a personal token holds what its person holds now
+        current = members.role_in(session, tenant, person.username) if person and tenant else None
+        if current is None:
+            return None
+        role = current
+    return Principal(row.id, role, row.tenant_id, tenant.name if tenant else None,
+                     tenant.unix_user if tenant else None, row.minted_by_operator,
+                     person.username if person else None, row.via, row.name)
 
 
 def revoke_token(*, session: Session, token_id: int, revoked_by: Minter | None = None,
@@ -232,7 +265,7 @@ def revoke_tenant_token(*, session: Session, principal: Principal, token_id: int
         why = (f"token #{principal.token_id} descends from an operator's mint: it cannot revoke your tenant's "
                f"own token #{token_id}; one of your own admins can")
         bind = session.get_bind()
-        audit.append_now(bind.engine, at=now, actor=audit.Actor(principal.token_id, principal.role.value),
+        audit.append_now(bind.engine, at=now, actor=actor(principal),
                          action="token.revoke", outcome=audit.DENIED, tenant=principal.tenant_name,
                          resource=f"token:{token_id}", reason=f"refused: {why}")
         raise Forbidden(why)
@@ -371,7 +404,7 @@ def claim_token(*, session: Session, principal: Principal, code: str, now: datet
     why = _claim_refusal(held, old, tid, now)
     if why is not None:
         audit.append_now(session.get_bind().engine, at=now,
-                         actor=audit.Actor(principal.token_id, principal.role.value), action="token.claim",
+                         actor=actor(principal), action="token.claim",
                          outcome=audit.DENIED, tenant=principal.tenant_name, resource=f"token:{principal.token_id}",
                          reason=f"refused: {why.message}")
         raise why
@@ -407,6 +440,15 @@ def decide_refusal(*, session: Session, principal: Principal) -> str | None:
             "CLAIM-CODE-<token id>`), or ask one of your tenant's own admins (`finetune tokens list`)")
 
 
+def principal_object(*, session: Session, principal: Principal) -> dict[str, Any]:
+    """What ``GET /v1/me`` answers: the calling token and who holds it."""
+    row = session.get(ApiToken, principal.token_id)
+    return {"object": "principal", "token_id": principal.token_id, "role": principal.role.value,
+            "tenant": principal.tenant_name, "person": principal.person, "via": principal.via,
+            "actor": actor_label(principal),
+            "expires_at": int(row.expires_at.timestamp()) if row is not None and row.expires_at else None}
+
+
 def token_object(row: ApiToken) -> dict[str, Any]:
     """The API shape of a token: never the secret or its hash. Use is not tracked."""
     def ts(dt: datetime | None) -> int | None:
@@ -419,4 +461,6 @@ def token_object(row: ApiToken) -> dict[str, Any]:
             "decides_access": row.role == Role.TENANT_ADMIN.value and not row.minted_by_operator
             and row.revoked_at is None,
             "claim_expires_at": ts(row.claim_expires_at) if row.claimed_at is None and row.revoked_at is None
-            else None, "claimed_at": ts(row.claimed_at)}
+            else None, "claimed_at": ts(row.claimed_at),
+            "kind": "personal" if row.person_id is not None else "service", "via": row.via,
+            "expires_at": ts(row.expires_at)}

@@ -27,6 +27,7 @@ def file_object(row: DataFile) -> dict[str, Any]:
         "created_at": int(row.created_at.timestamp()), "expires_at": None,
         "filename": row.filename, "purpose": row.purpose, "status": row.status,
         "status_details": row.status_details, "model": row.model, "validation": row.validation,
+        "created_by": row.created_by,
     }
 
 

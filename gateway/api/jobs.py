@@ -104,6 +104,7 @@ def job_object(job: FineTuningJob | Any, tenant: str) -> dict[str, Any]:
         "integrations": [], "metadata": job.meta,
         "method": {"type": method, method: {"hyperparameters": {**openai_hp, **hp}}},
         # ours
+        "created_by": job.created_by,     # the person (or service token) who submitted it
         "slurm_job_id": job.slurm_job_id, "attempt": job.attempt, "phase": job.phase, "qos": job.qos,
         "resources": {"gpus": job.gpus, "nodes": job.nodes, "fsdp": job.fsdp},
         "cleanup": job.cleanup, "stop_confirmed": job.stop_confirmed_at is not None,

@@ -124,7 +124,7 @@ def _local_first_start(settings: Any, url: str) -> None:
     if token is not None:
         if saved_url() not in (None, url):      # logged in elsewhere: do not replace that login
             click.echo(f"tenant 'local' created; its token (shown once): {token}\n"
-                       f"  use it: finetune login --url {url} --token {token}", err=True)
+                       f"  use it: finetune login --url {url} --token   (paste it at the prompt)", err=True)
         else:
             path = save_credentials(url, token)
             click.echo(f"tenant 'local' created; its token is saved in {path}: `finetune files upload "

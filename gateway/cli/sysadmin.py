@@ -53,8 +53,10 @@ def _admin() -> TenantAdmin:
               help="Fairshare shares of the tenant's Slurm account.")
 @click.option("--qos", "qos", required=True,
               help="Comma-separated QOS tiers; the first is the default.")
+@click.option("--group", help="Unix group whose members are the tenant's members (as NSS reports it).")
+@click.option("--admin-group", help="Unix group whose members are the tenant's admins.")
 @friendly_errors
-def tenant_add(name: str, shares: int, qos: str) -> None:
+def tenant_add(name: str, shares: int, qos: str, group: str | None, admin_group: str | None) -> None:
     """Create (or update) tenant NAME: unix user, Slurm account + QOS, storage.
 
     The unix user (sft-NAME) is made here and recorded in /var/lib/slurm-finetune/tenant-users; a
@@ -62,7 +64,7 @@ def tenant_add(name: str, shares: int, qos: str) -> None:
     is refused before anything is created.
     """
     from gateway.db import make_engine, migrate, session_scope  # lazy: the DB layer, this command only
-    from gateway.services.tenants import ensure_tenant  # lazy: the DB layer, this command only
+    from gateway.services.tenants import ensure_tenant, set_people  # lazy: the DB layer, this command only
 
     validate_tenant_name(name)  # before anything runs
     t = _admin().add_tenant(name, shares=shares, qos=[q.strip() for q in qos.split(",")],
@@ -71,8 +73,51 @@ def tenant_add(name: str, shares: int, qos: str) -> None:
     migrate(engine)
     with session_scope(engine) as session:
         ensure_tenant(session=session, name=name)
+        if group is not None or admin_group is not None:
+            set_people(session=session, name=name, by=_local_label(), group=group, admin_group=admin_group)
     click.echo(f"tenant {t.name}: unix user {t.unix_user} (uid {t.uid}), shares {t.shares}, "
                f"qos {','.join(t.qos)} (default {t.default_qos}), storage {t.storage}")
+    if group or admin_group:
+        click.echo(f"  members: group {group or '-'}, admins: group {admin_group or '-'}; they sign in with "
+                   "`finetune login` on a cluster host")
+
+
+def _local_label() -> str:
+    import os
+
+    return f"local admin CLI (uid {os.getuid()})"
+
+
+@tenant.command("people")
+@click.argument("name")
+@click.option("--group", help="Unix group of the tenant's members ('' unbinds).")
+@click.option("--admin-group", help="Unix group of the tenant's admins ('' unbinds).")
+@click.option("--add", "add", multiple=True, metavar="USER", help="An explicit member (sites without groups).")
+@click.option("--add-admin", "admins", multiple=True, metavar="USER", help="An explicit admin.")
+@click.option("--remove", "remove", multiple=True, metavar="USER", help="Remove an explicit member or admin.")
+@click.option("--json", "as_json", is_flag=True)
+@friendly_errors
+def tenant_people(name: str, group: str | None, admin_group: str | None, add: tuple[str, ...],
+                  admins: tuple[str, ...], remove: tuple[str, ...], as_json: bool) -> None:
+    """Who tenant NAME's people are: its unix groups and explicit members (shown; changed when given).
+
+    Members sign in with `finetune login` (MUNGE, on a cluster host) or the portal's single
+    sign-on; a user removed from a group loses access within a minute (their tokens check the
+    groups again at most 30 s old)."""
+    from gateway.access.audit import open_database  # lazy: the DB layer, this command only
+    from gateway.db import session_scope  # lazy: the DB layer, this command only
+    from gateway.services.tenants import people, set_people  # lazy: the DB layer, this command only
+
+    with session_scope(open_database(get_settings())) as session:
+        row = set_people(session=session, name=name, by=_local_label(), group=group, admin_group=admin_group,
+                         add=add, admins=admins, remove=remove)
+        out = {"tenant": name, **people(session=session, tenant=row)}
+    if as_json:
+        click.echo(json.dumps(out))
+        return
+    click.echo(f"tenant {name}: members group {out['group'] or '-'}, admins group {out['admin_group'] or '-'}; "
+               f"explicit members {', '.join(out['members']) or '-'}; "
+               f"explicit admins {', '.join(out['admins']) or '-'}")
 
 
 @tenant.command("modify")
@@ -174,6 +219,9 @@ def token_create(tenant_name: str | None, role: str, name: str, as_json: bool) -
         click.echo(json.dumps(out))
         return
     click.echo(f"token #{row.id} (shown once): {minted.secret}")
+    click.echo("  give it to its holder privately; they save it with `finetune login --url URL --token` (a "
+               "prompt; or --token-stdin, or SFT_API_TOKEN for scripts), or paste it on the portal's sign-in "
+               "page. People in a tenant's unix group need no token: `finetune login` on a cluster host")
     if minted.claim_file:
         click.echo(f"  a one-time claim code was written into {tenant_name}'s storage: {minted.claim_file} "
                    "(readable by the tenant's unix user only; not shown here)")

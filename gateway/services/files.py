@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlmodel import Session, col, select
 
-from gateway.access.tokens import Principal
+from gateway.access.tokens import Principal, who
 from gateway.config import Settings
 from gateway.datasets.tokencount import counter_for
 from gateway.datasets.validation import Validator
@@ -88,7 +88,7 @@ def store_upload(*, session: Session, settings: Settings, principal: Principal, 
     row = DataFile(tenant_id=tenant_id, filename=upload.filename or "upload.jsonl", bytes=upload.size,
                    sha256=upload.sha256,
                    status=FileStatus.PROCESSED if report["ok"] else FileStatus.ERROR,
-                   status_details=_summary(report), model=model, validation=report)
+                   status_details=_summary(report), model=model, validation=report, created_by=who(principal))
     session.add(row)
     session.flush()
     log.info("file %s stored for tenant %s: %d bytes, status %s", row.id, tenant_name, upload.size,

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from gateway.access.tokens import Principal
+from gateway.access.tokens import Principal, who
 from gateway.config import Settings
 from gateway.errors import Conflict, NotFound, ServiceError, SlurmError, TooManyJobs
 from gateway.models import DataFile, FileStatus, FineTuningJob, utcnow
@@ -252,7 +252,7 @@ def prepare_job(*, session: Session, settings: Settings, principal: Principal, r
                         suffix=req.suffix, seed=req.seed, meta=req.metadata,
                         idempotency_key=req.idempotency_key, request_hash=req.digest(),
                         estimated_tokens=tokens, time_limit_min=minutes, gpus=req.gpus, nodes=req.nodes,
-                        fsdp=req.fsdp, method=req.method)
+                        fsdp=req.fsdp, method=req.method, created_by=who(principal))
     spec = job_spec(settings, tenant_name, job, train, val, entry, init)  # validates hp before any row exists
     shape = _model_shape(settings, entry) if check_memory else None
     if shape is not None and (check := memory_check(settings, spec, shape)).fits is False:

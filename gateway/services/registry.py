@@ -16,7 +16,7 @@ from typing import Any
 from sqlmodel import Session, select
 
 from gateway.access import audit
-from gateway.access.tokens import Principal
+from gateway.access.tokens import Principal, actor
 from gateway.errors import Conflict, NotFound, ServiceError
 from gateway.models import FineTuningJob, ModelAlias, utcnow
 from gateway.state import JobState
@@ -66,7 +66,7 @@ def promote(*, session: Session, principal: Principal, model_id: str, alias: str
     gate: dict[str, Any] = {"candidate": model_id, "candidate_loss": loss, "validation_sha256": val,
                             "holder": row.fine_tuned_model if row else None, "holder_loss": None,
                             "tolerance": tolerance}
-    actor = audit.Actor(principal.token_id, principal.role.value)
+    by = actor(principal)
     if row is not None and row.fine_tuned_model != model_id:
         try:
             holder_loss, holder_val = _judged(_own_model(session, principal.tenant_id, row.fine_tuned_model))
@@ -83,7 +83,7 @@ def promote(*, session: Session, principal: Principal, model_id: str, alias: str
                        f"{row.fine_tuned_model}, which holds {alias!r}, on the same validation file")
         if refusal:
             session.rollback()   # nothing written yet; the refusal is committed on its own
-            audit.append_now(session.get_bind().engine, at=now, actor=actor, action="model.promote",
+            audit.append_now(session.get_bind().engine, at=now, actor=by, action="model.promote",
                              outcome=audit.DENIED, tenant=principal.tenant_name, resource=f"model:{model_id}",
                              reason=f"alias {alias} of {candidate.model}: {refusal}")
             raise Conflict(f"promotion refused: {refusal}", code="promotion_refused")
@@ -94,7 +94,7 @@ def promote(*, session: Session, principal: Principal, model_id: str, alias: str
     else:
         row.fine_tuned_model, row.promoted_at, row.promoted_by = model_id, now, principal.token_id
     session.add(row)
-    audit.append(session, at=now, actor=actor, action="model.promote", outcome=audit.ALLOWED,
+    audit.append(session, at=now, actor=by, action="model.promote", outcome=audit.ALLOWED,
                  tenant=principal.tenant_name, resource=f"model:{model_id}",
                  reason=f"alias {alias} of {candidate.model}: {before or '(new)'} -> {model_id}; eval loss "
                         f"{gate['holder_loss'] if gate['holder_loss'] is not None else '-'} -> {loss:.6g} on "

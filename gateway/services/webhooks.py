@@ -39,7 +39,7 @@ import httpx
 from sqlmodel import Session, col, select
 
 from gateway.access import audit
-from gateway.access.tokens import Principal
+from gateway.access.tokens import Principal, actor
 from gateway.config import Settings
 from gateway.errors import NotFound, ServiceError
 from gateway.models import FineTuningJob, Tenant, WebhookDelivery, WebhookEndpoint, utcnow
@@ -109,7 +109,7 @@ def register(*, session: Session, settings: Settings, principal: Principal, url:
                           secret="whsec_" + base64.b64encode(secrets.token_bytes(24)).decode())
     session.add(row)
     session.flush()
-    audit.append(session, at=utcnow(), actor=audit.Actor(principal.token_id, principal.role.value),
+    audit.append(session, at=utcnow(), actor=actor(principal),
                  action="webhook.register", outcome=audit.ALLOWED, tenant=principal.tenant_name,
                  resource=f"webhook:{row.id}", reason=f"url {url[:200]}")
     session.commit()
@@ -139,7 +139,7 @@ def remove(*, session: Session, principal: Principal, endpoint_id: str) -> None:
                                                         WebhookDelivery.status == DeliveryState.PENDING)):
         d.status, d.last_error = DeliveryState.FAILED, "the endpoint was deleted"
         session.add(d)
-    audit.append(session, at=utcnow(), actor=audit.Actor(principal.token_id, principal.role.value),
+    audit.append(session, at=utcnow(), actor=actor(principal),
                  action="webhook.delete", outcome=audit.ALLOWED, tenant=principal.tenant_name,
                  resource=f"webhook:{row.id}")
     session.commit()

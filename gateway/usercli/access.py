@@ -8,21 +8,95 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import click
+import httpx
 
 from gateway.config import get_settings
-from gateway.usercli.client import _credentials_path, _echo_json, _when, call, connection, save_credentials
+from gateway.usercli.client import (
+    Unreachable,
+    _credentials_path,
+    _echo_json,
+    _raise_for_status,
+    _when,
+    call,
+    connection,
+    save_credentials,
+    saved_url,
+)
 
 
 @click.command("login")
-@click.option("--url", required=True, help="Gateway base URL, e.g. http://127.0.0.1:8000")
-@click.option("--token", prompt=True, hide_input=True, help="Your API token.")
-def login(url: str, token: str) -> None:
-    """Save the gateway URL and your token (file mode 0600)."""
-    click.echo(f"saved credentials for {url} in {save_credentials(url, token)}")
+@click.option("--url", help="Gateway base URL, e.g. http://127.0.0.1:8000 (default: SFT_API_URL, or the "
+              "URL saved by the last login)")
+@click.option("--tenant", help="The tenant to sign in to, when you belong to several.")
+@click.option("--token", "token", is_flag=False, flag_value="", default=None, metavar="[TOKEN]",
+              help="Sign in with an API token instead of MUNGE: alone, it is read from a prompt (a value "
+                   "on the command line lands in your shell history).")
+@click.option("--token-stdin", is_flag=True, help="Read the API token from standard input.")
+def login(url: str | None, tenant: str | None, token: str | None, token_stdin: bool) -> None:
+    """Sign in and save a token (file mode 0600).
+
+    On a cluster host (one that runs munged) no token is needed: your unix account is proved with
+    MUNGE, and the gateway gives you a personal token for your tenant (12 h by default). With an
+    API token (--token, --token-stdin or SFT_API_TOKEN), it is checked with the gateway
+    before anything is saved.
+    """
+    url = (url or get_settings().api_url or saved_url() or "").rstrip("/")
+    if not url:
+        raise click.UsageError("which gateway? give --url URL (e.g. http://127.0.0.1:8000) or set SFT_API_URL")
+    if token_stdin:
+        token = sys.stdin.readline().strip()
+    elif token == "":
+        token = str(click.prompt("API token", hide_input=True)).strip()
+    elif token is not None:
+        click.echo("note: a token given on the command line is in your shell history; next time use "
+                   "`--token` alone (a prompt) or `--token-stdin`", err=True)
+    elif get_settings().api_token:
+        token = get_settings().api_token
+    if token is not None:
+        me = _check(url, token)
+        path = save_credentials(url, token)
+        click.echo(f"signed in to {url} as {me['actor']}; saved in {path}")
+        return
+    done = _munge_sign_in(url, tenant)
+    path = save_credentials(url, done["token"])
+    until = f", until {_when(done.get('expires_at'))}" if done.get("expires_at") else ""
+    click.echo(f"signed in to {url} as {done['person']} ({done['role']} of {done['tenant']}) via munge{until}; "
+               f"token saved in {path}")
+
+
+def _check(url: str, token: str) -> dict[str, Any]:
+    """Who ``token`` is at ``url`` (GET /v1/me); ClickException, nothing saved, when it is refused."""
+    try:
+        r = httpx.get(url + "/v1/me", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    except httpx.HTTPError as e:
+        raise Unreachable(f"cannot reach the gateway at {url}: {e}") from e
+    if r.status_code == 401:
+        raise click.ClickException("the gateway refused this token (unknown, expired or revoked): nothing was saved")
+    _raise_for_status(r)
+    return dict(r.json())
+
+
+def _munge_sign_in(url: str, tenant: str | None) -> dict[str, Any]:
+    """A personal token from the gateway for the unix user running this, proved with MUNGE."""
+    from gateway.access import munge  # lazy: ctypes and libmunge only for a MUNGE sign-in
+
+    try:
+        credential = munge.encode(munge.login_payload(url, tenant))
+    except munge.MungeError as e:
+        raise click.ClickException(f"cannot sign in with MUNGE here: {e}. On a cluster login node `finetune login` "
+                                   "needs no token; elsewhere sign in with an API token: `finetune login --token`"
+                                   ) from None
+    try:
+        r = httpx.post(url + "/v1/auth/munge", json={"credential": credential, "tenant": tenant}, timeout=30)
+    except httpx.HTTPError as e:
+        raise Unreachable(f"cannot reach the gateway at {url}: {e}") from e
+    _raise_for_status(r)
+    return dict(r.json())
 
 
 def _request_line(r: dict[str, Any]) -> str:
@@ -131,16 +205,20 @@ def audit_list(limit: int, before: int | None, as_json: bool) -> None:
         _echo_json(data)
         return
     for e in data:
-        actor = e["actor_token_id"] or "-"     # none: the local admin CLI
-        click.echo(f"{e['seq']:>6}  {e['at'][:19]}Z  {e['actor_role']}#{actor:<4} {e['action']:<18} "
+        actor = e.get("actor") or f"{e['actor_role']}#{e['actor_token_id'] or '-'}"   # none: the local admin CLI
+        click.echo(f"{e['seq']:>6}  {e['at'][:19]}Z  {actor:<28} {e['action']:<18} "
                    f"{e['resource'] or '-':<40} {e['outcome']:<7} {e['reason']}")
 
 
 # ----------------------------------------------------------------------- tokens
 def _token_line(t: dict[str, Any]) -> str:
     state = f"revoked {_when(t['revoked_at'])} by {t.get('revoked_by') or '?'}" if t.get("revoked_at") else "active"
+    if not t.get("revoked_at") and t.get("expires_at"):
+        state = f"until {_when(t['expires_at'])}"
     decides = "  decides access" if t.get("decides_access") else ""
-    return (f"#{t['id']:<5} {t['role']:<13} {t['name'] or '-':<20} {t['prefix']}…  created {_when(t['created_at'])}  "
+    kind = t.get("kind", "service")
+    return (f"#{t['id']:<5} {t['role']:<13} {kind:<8} {t['name'] or '-':<20} {t['prefix']}…  "
+            f"created {_when(t['created_at'])}  "
             f"minted by {t['minted_by']}{' (operator)' if t.get('minted_by_operator') else ''}  {state}{decides}")
 
 

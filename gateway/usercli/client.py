@@ -29,8 +29,9 @@ def connection() -> tuple[str, str]:
             saved = json.loads(_credentials_path().read_text())
             url, token = url or saved["url"], token or saved["token"]
         except (OSError, ValueError, KeyError) as e:
-            raise click.ClickException("not logged in: run `finetune login --url URL --token TOKEN` "
-                                       "or set SFT_API_URL and SFT_API_TOKEN") from e
+            raise click.ClickException("not logged in: run `finetune login --url URL` (on a cluster host; "
+                                       "elsewhere add --token to be asked for a token) or set SFT_API_URL "
+                                       "and SFT_API_TOKEN") from e
     return url.rstrip("/"), token
 
 

@@ -80,7 +80,7 @@ def test_fairshare(replay: Replay) -> None:
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--by", "project"], "--by 'project' is not a grouping; valid: tenant, user, qos, day"),
+    (["--by", "project"], "--by 'project' is not a grouping; valid: tenant, user, person, qos, day"),
     (["--start", "2026-02-30"], "--start '2026-02-30' is not a date: use YYYY-MM-DD"),
     (["--start", "now", "--end", "-1d"], "must be after --start"),
     (["--format", "xml"], "valid: table, csv, json"),

@@ -133,7 +133,7 @@ def test_old_recording_with_step_rows() -> None:
 
 
 def test_unknown_grouping_lists_the_valid_ones() -> None:
-    with pytest.raises(AccountingError, match="valid: tenant, user, qos, day"):
+    with pytest.raises(AccountingError, match="valid: tenant, user, person, qos, day"):
         usage_report([], HOUR, by="project")
 
 

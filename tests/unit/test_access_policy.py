@@ -33,6 +33,7 @@ OPERATOR_METADATA_ROUTES = {
     "GET /v1/staff/tenants/{tenant}/{kind}", "POST /v1/staff/access-requests", "GET /v1/staff/access-requests",
     "GET /portal/admin", "GET /portal/admin/usage", "GET /portal/admin/tenants",
     "GET /metrics",           # counts, ages and rates by tenant and job id: metadata, never content
+    "GET /v1/me",             # the calling token itself: its role, tenant, person and expiry
 }
 
 
