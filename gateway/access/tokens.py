@@ -183,7 +183,13 @@ def authenticate(*, session: Session, token: str) -> Principal | None:
     if not token.startswith(TOKEN_PREFIX) or len(token) > 200:
         return None
     row = session.exec(select(ApiToken).where(ApiToken.token_hash == hash_token(token))).first()
-    if row is None or row.revoked_at is not None or row.id is None:
+    return principal_of(session, row) if row is not None else None
+
+
+def principal_of(session: Session, row: ApiToken) -> Principal | None:
+    """The principal token ``row`` stands for now; None when it is revoked, has expired, or is a
+    personal token whose person no longer belongs to its tenant (``members.role_in``)."""
+    if row.revoked_at is not None or row.id is None:
         return None
     if row.expires_at is not None and row.expires_at <= utcnow():
         return None

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from gateway.portal import access, admin, auth, datasets, jobs, models, sweeps
+from gateway.portal import access, admin, auth, datasets, jobs, models, oidc, sweeps
 from gateway.portal.web import STATIC_DIR, STATIC_URL
 
 router = APIRouter()
-for _sub in (auth.router, datasets.router, jobs.router, models.router, sweeps.router, access.router,
+for _sub in (auth.router, oidc.router, datasets.router, jobs.router, models.router, sweeps.router, access.router,
              admin.router):
     router.include_router(_sub)
 

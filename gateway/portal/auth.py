@@ -8,8 +8,8 @@ from fastapi import APIRouter, Form, Request, Response
 from fastapi.responses import RedirectResponse
 
 from gateway.access.policy import Policy
-from gateway.access.tokens import authenticate
-from gateway.api.deps import SessionDep
+from gateway.access.tokens import Minter, actor_label, authenticate, revoke_token
+from gateway.api.deps import SessionDep, now_for
 from gateway.models import ApiToken
 from gateway.portal.session import (
     COOKIE,
@@ -57,9 +57,14 @@ def home(request: Request, session: SessionDep) -> Response:
     return RedirectResponse("/portal/admin" if user.is_admin else "/portal/jobs", status_code=303)
 
 
-def _login_page(request: Request, *, next_: str, error: str | None = None, status: int = 200) -> Response:
+def login_page(request: Request, *, next_: str, error: str | None = None, status: int = 200,
+               choices: list[str] | None = None) -> Response:
+    """The sign-in page (token form; the single sign-on button when configured), with ``error`` and,
+    for a person in several tenants, links that sign on to each of ``choices``."""
     value, csrf = new_login_cookie(portal_key(request))
-    resp = render(request, "login.html", status=status, login_csrf=csrf, next=next_, error=error)
+    resp = render(request, "login.html", status=status, login_csrf=csrf, next=next_, error=error,
+                  sso=request.app.state.settings.oidc_name if request.app.state.settings.oidc_issuer else None,
+                  choices=choices or [])
     resp.set_cookie(LOGIN_COOKIE, value, **cookie_args(request, LOGIN_S))
     return resp
 
@@ -67,7 +72,7 @@ def _login_page(request: Request, *, next_: str, error: str | None = None, statu
 @router.get("/portal/login", dependencies=[portal_access(Policy.PUBLIC)])
 def login_form(request: Request, next: str | None = None) -> Response:
     """The sign-in page; it sets the login cookie that carries the form's CSRF token."""
-    return _login_page(request, next_=safe_next(next, ""))
+    return login_page(request, next_=safe_next(next, ""))
 
 
 @router.post("/portal/login", dependencies=[portal_access(Policy.PUBLIC)])
@@ -82,7 +87,7 @@ def login(request: Request, session: SessionDep, token: Annotated[str, Form(max_
     principal = authenticate(session=session, token=token.strip())
     row = session.get(ApiToken, principal.token_id) if principal else None
     if principal is None or row is None:
-        return _login_page(request, next_=safe_next(next, ""), status=401,
+        return login_page(request, next_=safe_next(next, ""), status=401,
                            error="That token is not valid (mistyped, revoked, or from another gateway). "
                                  "Ask your tenant administrator for a new one.")
     default = "/portal/admin" if principal.role.value == "sysadmin" else "/portal/jobs"
@@ -101,6 +106,10 @@ def logout(request: Request, session: SessionDep, user: UserDep,
     payload = session_payload(request)
     if payload is not None:
         close_session(session, payload)
+    if user.principal.via == "oidc":    # the personal token the sign-on minted for this session goes too
+        revoke_token(session=session, token_id=user.principal.token_id, now=now_for(request, session),
+                     revoked_by=Minter(actor_label(user.principal), user.principal.role.value,
+                                       user.principal.token_id, operator=False), note="; signed out of the portal")
     resp = RedirectResponse("/portal/login?signed_out=1", status_code=303)
     resp.delete_cookie(COOKIE, path="/portal", secure=secure_cookies(request), httponly=True,
                        samesite="strict")

@@ -29,10 +29,10 @@ from typing import Any
 from fastapi import Request
 from sqlmodel import Session
 
-from gateway.access.tokens import Principal
+from gateway.access.tokens import Principal, principal_of
 from gateway.config import Settings
 from gateway.errors import BadSetting, CsrfRefused, ServiceError
-from gateway.models import ApiToken, PortalSession, Role, Tenant
+from gateway.models import ApiToken, PortalSession, Role
 from gateway.services.portal_sessions import end_session, record_session
 
 COOKIE = "sft_portal"
@@ -60,9 +60,10 @@ class PortalUser:
 
     @property
     def label(self) -> str:
-        """Who the user is, for the page header: ``<tenant> (<role>)``, or just the role."""
+        """Who the user is, for the page header: ``[<person> · ]<tenant> (<role>)``, or just the role."""
         p = self.principal
-        return f"{p.tenant_name} ({p.role.value})" if p.tenant_name else p.role.value
+        who = f"{p.person} · " if p.person else ""
+        return f"{who}{p.tenant_name} ({p.role.value})" if p.tenant_name else p.role.value
 
 
 def secret_path(settings: Settings) -> Path:
@@ -177,12 +178,9 @@ def principal_for(session: Session, payload: dict[str, Any]) -> Principal | None
     if live is None or live.token_id != tid or live.expires_at <= datetime.now(UTC):
         return None
     row = session.get(ApiToken, tid)
-    if row is None or row.id is None or row.revoked_at is not None \
-            or not hmac.compare_digest(row.token_hash[:16], str(payload.get("th", ""))):
+    if row is None or not hmac.compare_digest(row.token_hash[:16], str(payload.get("th", ""))):
         return None
-    tenant = session.get(Tenant, row.tenant_id) if row.tenant_id is not None else None
-    return Principal(row.id, Role(row.role), row.tenant_id, tenant.name if tenant else None,
-                     tenant.unix_user if tenant else None, row.minted_by_operator)
+    return principal_of(session, row)     # revoked, expired, or its person left the tenant: None
 
 
 def session_payload(request: Request) -> dict[str, Any] | None:
