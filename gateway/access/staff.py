@@ -33,7 +33,7 @@ from gateway.access.policy import (
 )
 from gateway.access.tokens import Principal, actor, decide_refusal
 from gateway.errors import Conflict, Forbidden, NotFound, ServiceError
-from gateway.models import AccessRequest, AuditEntry, DataFile, FineTuningJob, JobEvent, Role, Tenant
+from gateway.models import AccessRequest, ApiToken, AuditEntry, DataFile, FineTuningJob, JobEvent, Role, Tenant
 
 Clock = Callable[[Any], datetime]
 
@@ -168,17 +168,24 @@ def decide_request(*, session: Session, principal: Principal, request_id: str, a
     return req
 
 
-def request_object(req: AccessRequest, tenant: str | None, now: datetime) -> dict[str, Any]:
-    """The API shape of a request, with its state now (pending, active, expired, ...)."""
+def request_object(req: AccessRequest, tenant: str | None, now: datetime,
+                   session: Session | None = None) -> dict[str, Any]:
+    """The API shape of a request, with its state now (pending, active, expired, ...) and, given a
+    ``session``, who decided it: the deciding token's name (a person's: "bob via munge")."""
     def ts(dt: datetime | None) -> int | None:
         return int(dt.timestamp()) if dt else None
+
+    def who(token_id: int | None) -> str | None:
+        row = session.get(ApiToken, token_id) if session is not None and token_id is not None else None
+        return (row.name or f"token #{row.id}") if row is not None else None
 
     return {"object": "access_request", "id": req.id, "tenant": tenant,
             "resource": f"{req.resource_kind}:{req.resource_id}", "reason": req.reason,
             "duration_s": req.duration_s, "status": req.status,
             "state": request_state(grant_views([req])[0], now), "requested_by_token": req.requester_token_id,
             "requested_by_role": req.requester_role, "created_at": ts(req.created_at),
-            "decided_at": ts(req.decided_at), "expires_at": ts(req.expires_at), "revoked_at": ts(req.revoked_at)}
+            "decided_at": ts(req.decided_at), "expires_at": ts(req.expires_at), "revoked_at": ts(req.revoked_at),
+            "decided_by": who(req.decided_by_token_id), "revoked_by": who(req.revoked_by_token_id)}
 
 
 # ---------------------------------------------------------------- grant checks

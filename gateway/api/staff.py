@@ -68,7 +68,7 @@ def create_request(body: NewRequest, session: SessionDep, principal: PrincipalDe
     (``90m``, ``2h``, ``1d``; 1 minute to 7 days); pending until the tenant's admin decides. Audited."""
     req = svc.request_access(session=session, principal=principal, tenant=body.tenant, resource=body.resource,
                              reason=body.reason, duration=body.duration, now=now)
-    return svc.request_object(req, body.tenant, now)
+    return svc.request_object(req, body.tenant, now, session)
 
 
 @router.get("/v1/staff/access-requests", dependencies=STAFF)
@@ -76,7 +76,7 @@ def own_requests(session: SessionDep, principal: PrincipalDep, now: NowDep) -> d
     """List the access requests this token made, newest first, each with its state now."""
     rows = svc.list_own_requests(session=session, principal=principal)
     names = svc.tenant_names(session=session, ids={r.tenant_id for r in rows})
-    return {"object": "list", "data": [svc.request_object(r, names.get(r.tenant_id), now) for r in rows]}
+    return {"object": "list", "data": [svc.request_object(r, names.get(r.tenant_id), now, session) for r in rows]}
 
 
 def _stream(chunks: Iterator[bytes], size: int) -> StreamingResponse:
@@ -119,7 +119,7 @@ def job_events(job_id: str, request: Request, session: SessionDep, principal: Pr
 def tenant_requests(session: SessionDep, principal: PrincipalDep, now: NowDep) -> dict[str, Any]:
     """List the access requests for this tenant's resources, newest first (any member may read them)."""
     rows = svc.list_tenant_requests(session=session, principal=principal)
-    return {"object": "list", "data": [svc.request_object(r, principal.tenant_name, now) for r in rows]}
+    return {"object": "list", "data": [svc.request_object(r, principal.tenant_name, now, session) for r in rows]}
 
 
 @router.post("/v1/access-requests/{request_id}/{action}", dependencies=TENANT_ADMIN)
@@ -129,7 +129,7 @@ def decide(request_id: str, action: Literal["approve", "deny", "revoke"], sessio
 
     409 when the request is not in a state that allows ``action``."""
     req = svc.decide_request(session=session, principal=principal, request_id=request_id, action=action, now=now)
-    return svc.request_object(req, principal.tenant_name, now)
+    return svc.request_object(req, principal.tenant_name, now, session)
 
 
 @router.get("/v1/audit", dependencies=TENANT)

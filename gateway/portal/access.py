@@ -28,7 +28,7 @@ def access_page(request: Request, session: SessionDep, user: UserDep, done: str 
     reqs = svc.list_tenant_requests(session=session, principal=user.principal)
     entries = svc.tenant_audit(session=session, principal=user.principal, after=None, limit=50)
     return render(request, "access.html", user=user, done=done, now=now,
-                  requests=[svc.request_object(r, user.principal.tenant_name, now) for r in reqs],
+                  requests=[svc.request_object(r, user.principal.tenant_name, now, session) for r in reqs],
                   entries=entries, can_decide=user.principal.role is Role.TENANT_ADMIN
                   and tokens_svc.decide_refusal(session=session, principal=user.principal) is None)
 
