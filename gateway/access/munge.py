@@ -40,6 +40,10 @@ REASONS = {                  # munge_err_t -> what a user is told (the library's
 }
 
 
+# refusals of a credential munged could open (made under this cluster's key): worth an audit entry
+SEALED = frozenset({15, 16, 17, 18})
+
+
 class MungeError(Exception):
     """libmunge refused: ``code`` is munge_err_t, ``message`` what to tell the user."""
 

@@ -10,6 +10,7 @@ import grp
 import json
 import os
 import pwd
+import re
 from datetime import timedelta
 from pathlib import Path
 
@@ -164,3 +165,19 @@ def test_a_nonce_is_accepted_once_across_gateways(engine: sa.engine.Engine) -> N
             else:
                 with pytest.raises(Unauthorized, match="already used"):
                     signin.munge_sign_in(**kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("code", "audited"), [(14, False), (8, False), (17, True), (15, True)])
+def test_only_refusals_of_this_clusters_credentials_are_audited(engine: sa.engine.Engine, code: int,
+                                                               audited: bool) -> None:
+    """Anyone can post bytes to the sign-in route: garbage or another key's credential is logged, not an
+    audit entry each; an expired or replayed credential of this cluster's key is audited."""
+    def decode(_credential: str) -> munge.Credential:
+        raise munge.MungeError(code, munge.REASONS[code])
+
+    with Session(engine) as s, pytest.raises(Unauthorized, match=re.escape(munge.REASONS[code])):
+        signin.munge_sign_in(session=s, credential="MUNGE:x", urls=[URL], tenant=None, now=utcnow(),
+                             ttl=timedelta(hours=1), service_user="sft-gateway", decode=decode)
+    with engine.connect() as conn:
+        count = conn.execute(sa.text("SELECT count(*) FROM audit_log WHERE action = 'sign_in'")).scalar_one()
+    assert count == (1 if audited else 0)
