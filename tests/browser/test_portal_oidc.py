@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.browser.conftest import CHROMIUM, DESKTOP, FLAGS, _problem
+from tests.browser.conftest import DESKTOP, _problem
 from tests.slurm.livegateway import LiveGateway, free_port
 
 pytestmark = pytest.mark.browser
@@ -110,13 +110,9 @@ def sso(accounts: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
 
 
 @pytest.fixture(scope="module")
-def chromium(sso: Any) -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=FLAGS)
-        yield b
-        b.close()
+def chromium(sso: Any, browser: Any) -> Any:
+    """The tier's Chromium (conftest's ``browser``), once the provider and this gateway are up."""
+    return browser
 
 
 def _sign_on(chromium: Any, gw: LiveGateway, user: str, password: str) -> Any:
