@@ -28,7 +28,9 @@ pytestmark = pytest.mark.service
 CANARY = "CANARY-iso-7f3b"
 # Routes anyone may call: everything else must refuse a caller without a token.
 PUBLIC = {"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", "/", "/portal",
-          "/portal/", "/portal/login"}
+          "/portal/", "/portal/login",
+          # signing in: no token yet (a MUNGE credential, the provider's answer); no tenant content
+          "/v1/auth/munge", "/portal/oidc/login", "/portal/oidc/callback"}
 
 
 @pytest.fixture(scope="module")
