@@ -17,7 +17,7 @@ import pytest
 from tests.slurm.livegateway import STORAGE, LiveGateway, chat_file, terminal
 
 pytestmark = pytest.mark.slurm
-TENANT, SFT_TENANT = "t-dpo-mem", "t-sft-mem"   # two tenants: the two jobs run side by side (two nodes)
+TENANT, SFT_TENANT = "t-dpo-mem", "t-sft-mem"
 EXAMPLES = 60
 HP = {"n_epochs": 1, "max_steps": 1}   # otherwise the defaults (max_seq_len 2048, batch_size_tokens 4096);
                                        # the old code was killed in its first step
@@ -95,9 +95,10 @@ def test_smollm2_dpo_job_succeeds_within_1_5x_the_supervised_jobs_memory(gw: Liv
     pairs = gw.upload(TENANT, write_jsonl(tmp_path / "pairs.jsonl", toy_preferences(EXAMPLES, seed=1)))
     chats = gw.upload(SFT_TENANT, chat_file(tmp_path / "chat.jsonl", EXAMPLES, seed=1))
     method = {"type": "dpo", "dpo": {"hyperparameters": {**HP, "beta": 0.1}}}
-    ran = _run(gw, {SFT_TENANT: gw.create(SFT_TENANT, chats, HP, model=model),
-                    TENANT: gw.create(TENANT, pairs, None, model=model, method=method, hyperparameters=None)})
-    sft, dpo = ran[SFT_TENANT], ran[TENANT]
+    # one after the other: the host has 2 cores, side by side they only share them
+    sft = _run(gw, {SFT_TENANT: gw.create(SFT_TENANT, chats, HP, model=model)})[SFT_TENANT]
+    dpo = _run(gw, {TENANT: gw.create(TENANT, pairs, None, model=model, method=method,
+                                      hyperparameters=None)})[TENANT]
     gib = 1 << 30
     for name, job in (("supervised", sft), ("dpo", dpo)):
         peak = f"{job['cgroup_peak'] / gib:.2f} GiB" if job["cgroup_peak"] else "-"
