@@ -53,15 +53,13 @@ def files(gw: LiveGateway, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     d = tmp_path_factory.mktemp("data")
     return {"train": gw.upload(A, pref_file(d / "pairs.jsonl", 160, seed=1)),
             "val": gw.upload(A, pref_file(d / "pairs-val.jsonl", 40, seed=2)),
-            "chat": gw.upload(A, chat_file(d / "chat.jsonl", 60, seed=3)),
-            "train_b": gw.upload(B, pref_file(d / "pairs.jsonl", 160, seed=1))}     # the same bytes, in B
+            "chat": gw.upload(A, chat_file(d / "chat.jsonl", 60, seed=3))}
 
 
 def _result(gw: LiveGateway, job: dict[str, Any], name: str) -> bytes:
-    tenant = job["organization_id"]
     for fid in job["result_files"]:
-        if gw.api("GET", f"/v1/files/{fid}", tenant).json()["filename"].endswith(name):
-            return gw.api("GET", f"/v1/files/{fid}/content", tenant).content
+        if gw.api("GET", f"/v1/files/{fid}", A).json()["filename"].endswith(name):
+            return gw.api("GET", f"/v1/files/{fid}/content", A).content
     raise AssertionError(f"no {name} among {job['result_files']}")
 
 
@@ -196,9 +194,6 @@ def test_a_killed_rank_of_a_dpo_gang_resumes_to_the_uninterrupted_runs_adapter(
     checkpoint (and its reference log-probs) and publishes the adapter an uninterrupted gang publishes,
     bit for bit."""
     two = {"gpus": 2, "nodes": 2}
-    # the uninterrupted gang runs beside the one that is killed (each node has GPUs for both), in
-    # tenant B: its ranks are never among the ones killed
-    clean = gw.create(B, files["train_b"], None, method=dpo(GANG_HP), hyperparameters=None, resources=two, seed=11)
     killed = gw.create(A, files["train"], None, method=dpo(GANG_HP), hyperparameters=None, resources=two, seed=11)
     gw.wait(A, killed["id"], lambda j: (j["progress"].get("step") or 0) >= 5 or terminal(j), 300)
     ranks = _ranks(f"sft-{A}")
@@ -211,7 +206,8 @@ def test_a_killed_rank_of_a_dpo_gang_resumes_to_the_uninterrupted_runs_adapter(
     trainer_events = [json.loads(x) for x in (jdir / "events.jsonl").read_text().splitlines()]
     resumed = [e.get("resumed_from_step") for e in trainer_events if e["type"] == "start" and e.get("attempt")]
     assert any(step and step > 0 for step in resumed), resumed
-    clean = gw.wait(B, clean["id"], terminal, 420)
+    clean = gw.create(A, files["train"], None, method=dpo(GANG_HP), hyperparameters=None, resources=two, seed=11)
+    clean = gw.wait(A, clean["id"], terminal, 420)
     assert clean["status"] == "succeeded", clean["error"]
     print(f"\nDPO gang: killed one rank, resumed from {resumed}; adapters equal: "
           f"{_adapter(gw, killed) == _adapter(gw, clean)}")
