@@ -103,7 +103,7 @@ class Person(SQLModel, table=True):
     uid: int
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     last_sign_in_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
-    last_via: str | None = Field(default=None, max_length=16)     # munge | peercred | oidc
+    last_via: str | None = Field(default=None, max_length=16)     # munge | oidc
 
 
 class SignInNonce(SQLModel, table=True):
@@ -140,7 +140,7 @@ class ApiToken(SQLModel, table=True):
     claimed_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     # a personal token (sign-in) names its person and expires; a service token has neither
     person_id: int | None = Field(default=None, foreign_key="persons.id", index=True)
-    via: str | None = Field(default=None, max_length=16)          # munge | peercred | oidc
+    via: str | None = Field(default=None, max_length=16)          # munge | oidc
     expires_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
 
 

@@ -69,6 +69,12 @@ def group_gid(name: str | None) -> int | None:
         return None
 
 
+def explicit_member(session: Session, tenant: Tenant, username: str) -> TenantMember | None:
+    """``username``'s explicit membership row in ``tenant``, if any."""
+    return session.exec(select(TenantMember).where(TenantMember.tenant_id == tenant.id,
+                                                   TenantMember.username == username)).first()
+
+
 def role_in(session: Session, tenant: Tenant, username: str, *, fresh: bool = False) -> Role | None:
     """The role ``username`` holds in ``tenant`` now (tenant_admin, member), or None: not a member.
     ``fresh`` reads the user's groups from NSS instead of the cache (a sign-in)."""
@@ -76,8 +82,7 @@ def role_in(session: Session, tenant: Tenant, username: str, *, fresh: bool = Fa
         GROUPS.forget(username)
     gids = GROUPS.gids(username)
     admin_gid, member_gid = group_gid(tenant.admin_group), group_gid(tenant.unix_group)
-    row = session.exec(select(TenantMember).where(TenantMember.tenant_id == tenant.id,
-                                                  TenantMember.username == username)).first()
+    row = explicit_member(session, tenant, username)
     if (admin_gid is not None and admin_gid in gids) or (row is not None and row.admin):
         return Role.TENANT_ADMIN
     if (member_gid is not None and member_gid in gids) or row is not None:

@@ -74,7 +74,7 @@ def person_sign_in(*, session: Session, username: str, uid: int, via: str, tenan
     found = members.tenants_of(session, username)
     if not found:
         raise _refuse(session, Forbidden(f"{username} is in no tenant's group: ask your sysadmin to add you "
-                                         "(`finetune admin tenant set TENANT --group GROUP`)", code="no_tenant"),
+                                         "(`finetune admin tenant people TENANT --group GROUP`)", code="no_tenant"),
                       who=username, via=via, now=now)
     if tenant is None and len(found) > 1:
         raise Conflict(f"{username} belongs to tenants {', '.join(sorted(found))}: pick one with --tenant",

@@ -67,7 +67,7 @@ class Principal:
     unix_user: str | None
     operator_minted: bool = False     # an operator may hold this token's secret: its reads are audited
     person: str | None = None         # a personal token's person (unix username); None: a service token
-    via: str | None = None            # how that person signed in: munge | peercred | oidc
+    via: str | None = None            # how that person signed in: munge | oidc
     token_name: str = ""
 
 

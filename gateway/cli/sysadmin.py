@@ -63,6 +63,7 @@ def tenant_add(name: str, shares: int, qos: str, group: str | None, admin_group:
     NAME whose user would be the service user, or an existing account this command did not make,
     is refused before anything is created.
     """
+    from gateway.access.tokens import local_admin  # lazy: the DB layer, this command only
     from gateway.db import make_engine, migrate, session_scope  # lazy: the DB layer, this command only
     from gateway.services.tenants import ensure_tenant, set_people  # lazy: the DB layer, this command only
 
@@ -74,18 +75,13 @@ def tenant_add(name: str, shares: int, qos: str, group: str | None, admin_group:
     with session_scope(engine) as session:
         ensure_tenant(session=session, name=name)
         if group is not None or admin_group is not None:
-            set_people(session=session, name=name, by=_local_label(), group=group, admin_group=admin_group)
+            set_people(session=session, name=name, by=local_admin().label, group=group,
+                       admin_group=admin_group)
     click.echo(f"tenant {t.name}: unix user {t.unix_user} (uid {t.uid}), shares {t.shares}, "
                f"qos {','.join(t.qos)} (default {t.default_qos}), storage {t.storage}")
     if group or admin_group:
         click.echo(f"  members: group {group or '-'}, admins: group {admin_group or '-'}; they sign in with "
                    "`finetune login` on a cluster host")
-
-
-def _local_label() -> str:
-    import os
-
-    return f"local admin CLI (uid {os.getuid()})"
 
 
 @tenant.command("people")
@@ -105,11 +101,13 @@ def tenant_people(name: str, group: str | None, admin_group: str | None, add: tu
     sign-on; a user removed from a group loses access within a minute (their tokens check the
     groups again at most 30 s old)."""
     from gateway.access.audit import open_database  # lazy: the DB layer, this command only
+    from gateway.access.tokens import local_admin  # lazy: the DB layer, this command only
     from gateway.db import session_scope  # lazy: the DB layer, this command only
     from gateway.services.tenants import people, set_people  # lazy: the DB layer, this command only
 
     with session_scope(open_database(get_settings())) as session:
-        row = set_people(session=session, name=name, by=_local_label(), group=group, admin_group=admin_group,
+        row = set_people(session=session, name=name, by=local_admin().label, group=group,
+                         admin_group=admin_group,
                          add=add, admins=admins, remove=remove)
         out = {"tenant": name, **people(session=session, tenant=row)}
     if as_json:

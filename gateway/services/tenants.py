@@ -63,17 +63,14 @@ def set_people(*, session: Session, name: str, by: str, group: str | None = None
         tenant.admin_group = _group(admin_group, "admin_group")
         changes.append(f"admin group {tenant.admin_group or '(none)'}")
     for username, admin in [(u, False) for u in add] + [(u, True) for u in admins]:
-        row = session.exec(select(TenantMember).where(TenantMember.tenant_id == tenant.id,
-                                                      TenantMember.username == username)).first()
-        row = row or TenantMember(tenant_id=tenant.id or 0, username=username)
+        row = members.explicit_member(session, tenant, username) or \
+            TenantMember(tenant_id=tenant.id or 0, username=username)
         row.admin = admin
         session.add(row)
         changes.append(f"{'admin' if admin else 'member'} {username}")
     for username in remove:
-        row = session.exec(select(TenantMember).where(TenantMember.tenant_id == tenant.id,
-                                                      TenantMember.username == username)).first()
-        if row is not None:
-            session.delete(row)
+        if (gone := members.explicit_member(session, tenant, username)) is not None:
+            session.delete(gone)
             changes.append(f"removed {username}")
     session.add(tenant)
     if changes:
