@@ -76,6 +76,11 @@ class Tenant(SQLModel, table=True):
     # NSS reports them (local files, sssd/LDAP), and the explicit TenantMember rows
     unix_group: str | None = Field(default=None, max_length=32)
     admin_group: str | None = Field(default=None, max_length=32)
+    # storage limits the sysadmin set (the filesystem enforces them: gateway.storage.quota), and the
+    # retention policy the sweeper applies: {"datasets"|"results"|"checkpoints"|"logs": days to keep}
+    quota_bytes: int | None = Field(default=None, sa_type=sa.BigInteger)
+    quota_files: int | None = Field(default=None, sa_type=sa.BigInteger)
+    retention: dict[str, Any] | None = Field(default=None, sa_type=sa.JSON)
 
 
 class TenantMember(SQLModel, table=True):
@@ -165,6 +170,7 @@ class DataFile(SQLModel, table=True):
     path: str | None = Field(default=None, max_length=300)
     job_id: str | None = Field(default=None, max_length=40, index=True)
     created_by: str | None = Field(default=None, max_length=64)   # gateway.access.tokens.who
+    expires_at: datetime | None = Field(default=None, sa_type=UTCDateTime, index=True)   # expires_after
 
 
 class FineTuningJob(SQLModel, table=True):
@@ -277,6 +283,24 @@ class AccessRequest(SQLModel, table=True):
     expires_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     revoked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     revoked_by_token_id: int | None = Field(default=None, foreign_key="api_tokens.id")
+
+
+class TenantDeletionRequest(SQLModel, table=True):
+    """A tenant admin's request that the tenant and all its data be deleted; the sysadmin carries it
+    out (``finetune admin tenant delete``). It names the tenant as text: it outlives the tenant row,
+    with the sha256 of the deletion receipt. ``status``: pending → done | withdrawn."""
+
+    __tablename__ = "tenant_deletion_requests"
+
+    id: str = Field(default_factory=lambda: new_id("tdr"), primary_key=True, max_length=40)
+    tenant: str = Field(max_length=24, index=True)
+    requested_by: str = Field(max_length=100)
+    reason: str = Field(default="", max_length=500)
+    requested_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    status: str = Field(default="pending", max_length=16)
+    decided_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    decided_by: str | None = Field(default=None, max_length=100)
+    receipt_sha256: str | None = Field(default=None, max_length=64)
 
 
 class AuditEntry(SQLModel, table=True):
