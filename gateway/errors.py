@@ -110,6 +110,12 @@ class StorageFull(ServiceError):
     code = "storage_full"
 
 
+class QuotaExceeded(StorageFull):
+    """The write would pass the tenant's storage quota (EDQUOT): nothing was kept."""
+
+    code = "storage_quota_exceeded"
+
+
 class StorageUnavailable(ServiceError):
     """The storage broker does not answer."""
 

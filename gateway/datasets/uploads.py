@@ -19,8 +19,8 @@ from typing import Any
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from gateway.datasets.validation import LineSplitter, Validator
-from gateway.errors import ServiceError, StorageFull, TooLarge
-from gateway.storage import TenantStorage
+from gateway.errors import QuotaExceeded, ServiceError, StorageFull, TooLarge
+from gateway.storage import QUOTA_EXCEEDED, STORAGE_FULL, TenantStorage
 from gateway.storage import Upload as StoredUpload
 
 MAX_FIELD_BYTES = 1024
@@ -166,9 +166,10 @@ async def receive(stream: AsyncIterator[bytes], content_type: str, *, store: Ten
         raise
     except OSError as e:    # the temp file could not be written: say so, not "malformed"
         _abort(rx)
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise StorageFull("the tenant's storage is full: the upload was not kept; free space or ask "
-                              "your administrator, then retry") from e
+        if e.errno == errno.EDQUOT:
+            raise QuotaExceeded(QUOTA_EXCEEDED.replace("nothing was kept", "the upload was not kept")) from e
+        if e.errno == errno.ENOSPC:
+            raise StorageFull(STORAGE_FULL.replace("nothing was kept", "the upload was not kept")) from e
         raise
     except Exception as e:  # python-multipart's parse errors, client disconnects
         _abort(rx)

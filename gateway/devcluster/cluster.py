@@ -29,11 +29,12 @@ from gateway.errors import SlurmError
 from gateway.slurm.admin import Admin
 from gateway.slurm.policy import load_policy
 from gateway.slurm.runner import LocalRunner, SlurmCommandError
+from gateway.storage import layout, quota
 
 MARKER = "# slurm-finetune dev cluster"
 APT_PACKAGES = ("slurm-wlm", "slurmctld", "slurmd", "slurmdbd", "slurm-client", "munge",
-                "mariadb-server", "libpmix-dev", "python3-venv")
-NEEDED_BINARIES = ("sbatch", "slurmctld", "slurmd", "slurmdbd", "munged", "mariadbd", "sacctmgr")
+                "mariadb-server", "libpmix-dev", "python3-venv", "btrfs-progs")
+NEEDED_BINARIES = ("sbatch", "slurmctld", "slurmd", "slurmdbd", "munged", "mariadbd", "sacctmgr", "mkfs.btrfs")
 
 
 class DevClusterError(SlurmError):
@@ -60,6 +61,7 @@ class DevClusterConfig:
     report_dir: Path = Path("/var/lib/slurm-finetune/scrub")
     job_tmp_root: Path = Path("/var/lib/slurm-finetune/jobtmp")  # job_container/tmpfs BasePath
     storage_root: Path = Path("/srv/slurm-finetune")
+    tenant_storage_gb: int = 48           # the sparse btrfs image behind <storage_root>/tenants (quotas)
     db_name: str = "slurm_acct_db"
     db_user: str = "slurm"
     service_user: str = "sft-gateway"     # the gateway's unix user: made a Slurm Operator
@@ -218,6 +220,7 @@ class DevCluster:
         self.ensure_packages()
         for line in self.harden_host():
             self.echo(line)
+        self.echo(self.tenant_storage())
         for d in (self.cfg.state_dir / "slurmctld", self.cfg.state_dir / "slurmd", self.cfg.log_dir, self.cfg.run_dir,
                   self.cfg.libexec, self.cfg.scratch_root):
             d.mkdir(parents=True, exist_ok=True)
@@ -263,6 +266,65 @@ class DevCluster:
             out.append("host hardening: /proc remounted hidepid=invisible" if res.returncode == 0 else
                        f"host hardening: could not remount /proc with hidepid ({res.stderr.strip()[:200]})")
         return out
+
+    def tenant_storage(self) -> str:
+        """Put ``<storage_root>/tenants`` on a filesystem with quotas, as a site's shared filesystem would
+        be: a sparse btrfs image (``tenant_storage_gb``) loop-mounted there with quotas on, so each new
+        tenant root is a subvolume whose space ``finetune admin tenant quota`` limits in the kernel.
+        Tenant roots already there are moved into subvolumes of their own. Returns one line: what it did,
+        or why the tenants directory stays as it is (no btrfs in this kernel: quotas are then off)."""
+        tenants = layout.tenants_dir(self.cfg.storage_root)
+        tenants.mkdir(parents=True, exist_ok=True)
+        if self._quota_on(tenants):
+            return f"tenant storage: {tenants} is btrfs with quotas on"
+        image = self.cfg.state_dir / "tenant-storage.btrfs"
+        image.parent.mkdir(parents=True, exist_ok=True)
+        if not image.exists():
+            with open(image, "wb") as f:
+                f.truncate(self.cfg.tenant_storage_gb << 30)
+            os.chmod(image, 0o600)
+            made = self.runner.run(["mkfs.btrfs", "-q", str(image)], timeout=120)
+            if made.returncode != 0:
+                image.unlink()
+                return f"tenant storage: no quotas (mkfs.btrfs failed: {made.stderr.strip()[:200]})"
+        old = [p for p in tenants.iterdir()] if tenants.is_dir() else []
+        target = self.cfg.state_dir / "tenant-storage.mnt" if old else tenants
+        target.mkdir(exist_ok=True)
+        mounted = self.runner.run(["mount", "-o", "loop,noatime", str(image), str(target)], timeout=60)
+        if mounted.returncode != 0:
+            return f"tenant storage: no quotas ({tenants} stays as it is: {mounted.stderr.strip()[:200]})"
+        fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            if not quota.enabled(fd):
+                quota.enable(fd)
+            for entry in old:         # each tenant root becomes a subvolume holding the same files
+                if entry.is_dir() and not entry.is_symlink():
+                    quota.create_subvolume(fd, entry.name)
+                    self.runner.run(["cp", "-a", f"{entry}/.", str(target / entry.name)], timeout=1800).check()
+                    st = entry.lstat()
+                    os.chown(target / entry.name, st.st_uid, st.st_gid)
+                    os.chmod(target / entry.name, stat.S_IMODE(st.st_mode))
+        finally:
+            os.close(fd)
+        if old:
+            self.runner.run(["umount", str(target)], timeout=60).check()
+            aside = tenants.with_name("tenants.pre-btrfs")
+            tenants.rename(aside)
+            tenants.mkdir()
+            self.runner.run(["mount", "-o", "loop,noatime", str(image), str(tenants)], timeout=60).check()
+            shutil.rmtree(aside)
+        os.chown(tenants, 0, 0)
+        os.chmod(tenants, 0o711)
+        return (f"tenant storage: {tenants} is now a btrfs image ({image}, {self.cfg.tenant_storage_gb} GiB sparse) "
+                f"with quotas on" + (f"; {len(old)} tenant roots moved into subvolumes" if old else ""))
+
+    @staticmethod
+    def _quota_on(path: Path) -> bool:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            return quota.enabled(fd)
+        finally:
+            os.close(fd)
 
     def ensure_packages(self) -> None:
         """apt-get install the Slurm, munge and MariaDB packages when one of NEEDED_BINARIES is missing."""

@@ -12,11 +12,12 @@ from gateway.api.deps import SessionDep, SettingsDep
 from gateway.config import Settings
 from gateway.datasets.uploads import receive
 from gateway.datasets.validation import Validator
-from gateway.errors import TooLarge
+from gateway.errors import ServiceError, TooLarge
 from gateway.models import DataFile
 from gateway.portal.session import CSRF_FIELD, CSRF_HEADER, check_csrf
 from gateway.portal.web import PortalRoute, UserDep, portal_access, render, wants_json
 from gateway.services import files as svc
+from gateway.services import storageuse
 
 router = APIRouter(prefix="/portal", route_class=PortalRoute, include_in_schema=False,
                    dependencies=[portal_access(Policy.TENANT)])
@@ -35,9 +36,13 @@ def list_datasets(request: Request, session: SessionDep, settings: SettingsDep, 
                   deleted: str | None = None) -> Response:
     """The tenant's datasets, newest first, and the upload form."""
     rows, _ = svc.list_files(session=session, principal=user.principal, purpose=DATASETS)
+    try:
+        used: dict[str, Any] | None = storageuse.usage(session=session, settings=settings, principal=user.principal)
+    except ServiceError:
+        used = None      # the broker does not answer: the page still lists the datasets
     return render(request, "datasets.html", user=user, files=rows, models=catalog_names(settings),
                   default_model=settings.default_model, limit=settings.max_upload_bytes,
-                  deleted=deleted)
+                  deleted=deleted, usage=used)
 
 
 @router.post("/datasets")

@@ -260,7 +260,7 @@ def reply_error(e: BaseException) -> dict[str, Any]:
     if isinstance(e, safefs.UnsafeStorage):
         return {"ok": False, "code": "unsafe_storage", "message": e.strerror or "unsafe storage"}
     if isinstance(e, OSError):
-        code = {errno.ENOSPC: "storage_full", errno.EDQUOT: "storage_full",
+        code = {errno.ENOSPC: "storage_full", errno.EDQUOT: "quota_exceeded",
                 errno.ENOENT: "not_found"}.get(e.errno or 0, "storage_error")
         return {"ok": False, "code": code, "message": e.strerror or type(e).__name__}
     return {"ok": False, "code": "storage_error", "message": f"storage verb failed ({type(e).__name__})"}

@@ -11,6 +11,7 @@ and a partially onboarded tenant is completed by running it again.
 from __future__ import annotations
 
 import grp
+import os
 import pwd
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from gateway.slurm.admin import Account, Admin
 from gateway.slurm.runner import Runner
-from gateway.storage import create_tenant_root, identities
+from gateway.storage import create_tenant_root, identities, quota, safefs
 from gateway.storage.layout import tenant_root, unix_user_for
 
 
@@ -81,6 +82,25 @@ class TenantAdmin(Admin):
         self.ensure_account(name, user=user, shares=shares, qos=checked)
         create_tenant_root(self.storage_root, name, uid, gid)   # tenants/ 0711: not listable
         return self.get_tenant(name)
+
+    def set_quota(self, name: str, limit_bytes: int | None) -> quota.Usage:
+        """Limit tenant ``name``'s storage to ``limit_bytes`` (None: no limit) in the filesystem, and
+        return its usage after. Root only. QuotaError when its root is not a subvolume on btrfs with
+        quotas on (the message says why); FileNotFoundError when it has no storage root."""
+        fd = os.open(tenant_root(self.storage_root, name), safefs.DIR_FLAGS)
+        try:
+            quota.set_limit(fd, limit_bytes)
+            return quota.usage(fd)
+        finally:
+            os.close(fd)
+
+    def storage_usage(self, name: str) -> quota.Usage:
+        """Tenant ``name``'s storage usage and limit as the filesystem has them (root)."""
+        fd = os.open(tenant_root(self.storage_root, name), safefs.DIR_FLAGS)
+        try:
+            return quota.usage(fd)
+        finally:
+            os.close(fd)
 
     def list_tenants(self) -> list[Tenant]:
         """Every tenant: the accounts under the parent account, with their unix user and storage state."""

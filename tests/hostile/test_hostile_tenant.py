@@ -144,7 +144,9 @@ def test_stored_dataset_replaced_then_downloaded(gw: LiveGateway, victim_file: t
     fid, name = r.json()["id"], None
     with Session(gw.engine) as s:
         name = f"{s.get(DataFile, fid).sha256}.jsonl"  # type: ignore[union-attr]
-    shared = Path("/var/tmp/sft-hostile-writable")
+    # root's file inside the tenant's own root: a hard link cannot cross filesystems, nor btrfs subvolumes
+    # (each tenant root is one where the dev cluster has quotas), so from anywhere else it fails with EXDEV
+    shared = ROOT_A / "sft-hostile-writable"
     shared.write_text("root-owned, world-writable: hardlinkable by a tenant\n")
     os.chmod(shared, 0o666)
     steps = {
