@@ -44,6 +44,17 @@ class Settings(BaseSettings):
     max_seq_len: int = HYPERPARAMETER_DEFAULTS["max_seq_len"]   # an upload's longest example: the trainer's default
     default_model: str | None = "tiny-chat"   # tokenizer for upload checks when none is named
     max_reported_errors: int = 100
+    # A file's ``expires_after`` (OpenAI's: {"anchor": "created_at", "seconds": N}): the shortest and longest
+    # N accepted (OpenAI's bounds, 1 hour to 30 days). The sweeper deletes a file once it has expired.
+    file_expiry_min_s: int = Field(default=3600, ge=1)
+    file_expiry_max_s: int = Field(default=30 * 24 * 3600, ge=1)
+    # The retention sweeper (gateway.jobs.sweeper, run by the reconciler's leader in a thread of its own,
+    # never inside a cycle): every sweep_interval_s (0: never) one pass deletes what expired (files past
+    # expires_at, what is older than a tenant's retention policy, the training state of succeeded jobs
+    # beyond the checkpoints they keep), at most sweep_max_items deletions and sweep_budget_s seconds a pass.
+    sweep_interval_s: float = Field(default=60.0, ge=0)
+    sweep_max_items: int = Field(default=200, ge=1)
+    sweep_budget_s: float = Field(default=20.0, gt=0)
     # Any other request body (JSON, forms) is capped here; over it: 413 (gateway/api/limits.py).
     max_json_bytes: int = 1024 * 1024
     # The portal cookie's Secure flag: "auto" (under TLS only), "always" (behind a TLS proxy), "never".

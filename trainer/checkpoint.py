@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Mapping
+import stat
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from trainer.contract import jobdir
@@ -113,13 +114,35 @@ def remove_dir(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def prune(checkpoints: str | Path, keep: int) -> list[int]:
-    """Delete all but the newest ``keep`` complete checkpoints; return the steps removed."""
+def prune(checkpoints: str | Path, keep: int, also_keep: Iterable[int] = ()) -> list[int]:
+    """Delete all complete checkpoints but the newest ``keep`` and those of ``also_keep`` (the best
+    eval's step); return the steps removed."""
+    return prune_measured(checkpoints, keep, also_keep)[0]
+
+
+def prune_measured(checkpoints: str | Path, keep: int, also_keep: Iterable[int] = ()) -> tuple[list[int], int]:
+    """``prune``, and the bytes it freed (the removed directories' regular files): (steps, bytes)."""
     steps = complete_steps(checkpoints)
-    doomed = steps[:-keep] if keep > 0 else steps
+    kept = set(steps[-keep:] if keep > 0 else []) | set(also_keep)
+    doomed = [s for s in steps if s not in kept]
+    freed = 0
     for step in doomed:
+        freed += dir_bytes(step_dir(checkpoints, step))
         remove_dir(step_dir(checkpoints, step))
-    return doomed
+    return doomed, freed
+
+
+def dir_bytes(path: str | Path) -> int:
+    """The bytes of the regular files under ``path`` (links not followed, a file linked twice counted once)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            st = os.lstat(os.path.join(root, name))
+            if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
+    return total
 
 
 def clean_leftovers(directory: str | Path) -> list[str]:

@@ -583,7 +583,7 @@ class Recipe:
     # -- checkpoints -----------------------------------------------------------
 
     def save_checkpoint(self, sync: bool = True) -> Path | None:
-        """Write ``checkpoints/step-<n>`` atomically, then keep only the newest K; return its path.
+        """Write ``checkpoints/step-<n>`` atomically, then keep only the newest K and the best eval's; return its path.
 
         With early stopping each one also holds the best adapter so far (``best.safetensors``).
         Data parallel: rank 0 writes (its state is the whole, replicated state;
@@ -639,8 +639,11 @@ class Recipe:
             files[jobdir.CKPT_BEST] = save_safetensors(self.best_adapter)
         path = ckpt.write_complete_dir(ckpt.step_dir(self.checkpoints, step), files)
         self.last_checkpoint_step = step  # durable now, whatever pruning or the event meet
-        pruned = ckpt.prune(self.checkpoints, self.spec.keep_checkpoints)
-        self.events.emit("checkpoint", step=step, path=f"{jobdir.CHECKPOINTS}/{path.name}", pruned=pruned)
+        # the newest K stay, and the best eval's step's (early stopping): the tenant's best model so far
+        best = [self.progress.best_step] if self.progress.best_step is not None else []
+        pruned, freed = ckpt.prune_measured(self.checkpoints, self.spec.keep_checkpoints, best)
+        self.events.emit("checkpoint", step=step, path=f"{jobdir.CHECKPOINTS}/{path.name}", pruned=pruned,
+                         pruned_bytes=freed)
         return path
 
     # -- finalize ----------------------------------------------------------------
@@ -828,7 +831,7 @@ def run_job(spec: JobSpec, attempt: int, fast_exit: bool = True, world: World | 
         recipe.events.emit("failed", reason=reason, error=type(e).__name__, message=str(e))
     except Exception as e:  # noqa: BLE001 - the message may quote data: log the type only
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            _storage_full(recipe)
+            code = _storage_full(recipe, quota=e.errno == errno.EDQUOT)
         else:
             log.error("internal error %s (message withheld: it may quote data)", type(e).__name__)
             import traceback
@@ -846,16 +849,25 @@ def run_job(spec: JobSpec, attempt: int, fast_exit: bool = True, world: World | 
     return code
 
 
-def _storage_full(recipe: Recipe) -> None:
-    """Say why (ENOSPC/EDQUOT) in a failure event; the half-written checkpoint is already gone."""
-    log.error("no space left in the job directory")
+def _storage_full(recipe: Recipe, *, quota: bool) -> int:
+    """Say why in a failure event (the half-written checkpoint is already gone, so it fits) and return the
+    exit code: EDQUOT is the tenant's own quota (a user error: it can free space or ask for more), ENOSPC
+    the shared filesystem (internal)."""
+    kept = max(recipe.last_checkpoint_step, 0)
+    where = f"the last complete checkpoint (step {kept}) is kept" if kept else "no checkpoint was complete yet"
+    if quota:
+        log.error("storage quota exceeded in the job directory")
+        reason, code, error = "user_error", exitcodes.USER_ERROR, "StorageQuotaExceeded"
+        message = f"storage quota exceeded: delete files or ask for more; {where}"
+    else:
+        log.error("no space left in the job directory")
+        reason, code, error = "internal", exitcodes.INTERNAL, "StorageFull"
+        message = f"the shared storage is full (no space left on device): ask your administrator; {where}"
     try:
-        recipe.events.emit("failed", reason="internal", error="StorageFull",
-                           message="the job's storage is full (no space left on device): free space or raise "
-                                   "the quota and submit again; it resumes from the last complete checkpoint "
-                                   f"(step {max(recipe.last_checkpoint_step, 0)})")
+        recipe.events.emit("failed", reason=reason, error=error, message=message)
     except OSError:
         log.error("the failure event did not fit either")
+    return code
 
 
 def _stop(recipe: Recipe, s: Stop) -> int:

@@ -24,7 +24,8 @@ def file_object(row: DataFile) -> dict[str, Any]:
     """OpenAI's file object plus our ``validation`` report."""
     return {
         "id": row.id, "object": "file", "bytes": row.bytes,
-        "created_at": int(row.created_at.timestamp()), "expires_at": None,
+        "created_at": int(row.created_at.timestamp()),
+        "expires_at": int(row.expires_at.timestamp()) if row.expires_at else None,
         "filename": row.filename, "purpose": row.purpose, "status": row.status,
         "status_details": row.status_details, "model": row.model, "validation": row.validation,
         "created_by": row.created_by,
@@ -34,10 +35,13 @@ def file_object(row: DataFile) -> dict[str, Any]:
 @router.post("", openapi_extra={"requestBody": {"required": True, "content": {"multipart/form-data": {
     "schema": {"type": "object", "required": ["file", "purpose"], "properties": {
         "file": {"type": "string", "format": "binary"},
-        "purpose": {"type": "string", "enum": ["fine-tune"]}}}}}}}, status_code=200)
+        "purpose": {"type": "string", "enum": ["fine-tune"]},
+        "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+        "expires_after[seconds]": {"type": "integer"}}}}}}}, status_code=200)
 async def create_file(request: Request, session: SessionDep, settings: SettingsDep,
                       principal: PrincipalDep, model: str | None = Query(None, max_length=100)) -> dict[str, Any]:
-    """Upload a chat JSONL dataset (multipart: ``file``, ``purpose=fine-tune``, optional ``model``)."""
+    """Upload a chat JSONL dataset (multipart: ``file``, ``purpose=fine-tune``, optional ``model`` and
+    OpenAI's ``expires_after[anchor]=created_at`` + ``expires_after[seconds]``: the sweeper deletes it then)."""
     length = request.headers.get("content-length")
     if length and length.isdigit() and int(length) > settings.max_upload_bytes + 65536:
         raise TooLarge(f"the upload is {length} bytes; the limit is {settings.max_upload_bytes}")
@@ -56,8 +60,13 @@ async def create_file(request: Request, session: SessionDep, settings: SettingsD
     if len(up.fields.get("model", "")) > 100:
         up.discard()
         raise ServiceError("model must be at most 100 characters", param="model")
+    try:
+        expires = svc.expires_after(settings, up.fields)
+    except ServiceError:
+        up.discard()
+        raise
     row = svc.store_upload(session=session, settings=settings, principal=principal, upload=up,
-                           model=chosen.get("model"))
+                           model=chosen.get("model"), expires_after_s=expires)
     return file_object(row)
 
 

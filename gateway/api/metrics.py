@@ -81,6 +81,17 @@ class StateCollector(Collector):
                                 value=1.0 if rec.lease.held else 0.0)
         yield CounterMetricFamily("sft_reconciler_lease_takeovers", "Times this process took the reconciler lease",
                                   value=rec.lease.takeovers)
+        sweeper = rec.sweeper
+        gone = CounterMetricFamily("sft_retention_deleted", "Deletions by this process's retention sweeper, by what: "
+                                   "file, prune (a succeeded job's training state), checkpoints, logs", labels=["what"])
+        for what, n in sorted(dict(sweeper.deleted).items()):
+            gone.add_metric([what], n)
+        yield gone
+        yield CounterMetricFamily("sft_retention_freed_bytes", "Bytes this process's retention sweeper freed",
+                                  value=sweeper.freed_bytes)
+        yield GaugeMetricFamily("sft_retention_last_pass_seconds", "The last retention sweep pass's seconds (in a "
+                                "thread of its own, not in a cycle)",
+                                value=sweeper.last.seconds if sweeper.last else 0.0)
         found = CounterMetricFamily("sft_detector_findings", "Detector findings raised, by rule", labels=["rule"])
         for rule, n in sorted(dict(rec.detector_counts).items()):
             found.add_metric([rule], n)

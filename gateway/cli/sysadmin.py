@@ -118,6 +118,67 @@ def tenant_people(name: str, group: str | None, admin_group: str | None, add: tu
                f"explicit admins {', '.join(out['admins']) or '-'}")
 
 
+@tenant.command("retention")
+@click.argument("name")
+@click.option("--datasets", metavar="DAYS", help="Days to keep uploaded files (0 or 'off': forever).")
+@click.option("--results", metavar="DAYS", help="Days to keep jobs' results: adapter.tar, eval.json, metrics.csv.")
+@click.option("--checkpoints", metavar="DAYS",
+              help="Days to keep published checkpoints, and a failed or cancelled job's training state.")
+@click.option("--logs", metavar="DAYS", help="Days to keep a finished job's events.jsonl and Slurm output.")
+@click.option("--json", "as_json", is_flag=True)
+@friendly_errors
+def tenant_retention(name: str, datasets: str | None, results: str | None, checkpoints: str | None,
+                     logs: str | None, as_json: bool) -> None:
+    """Show or set tenant NAME's retention policy: how long the sweeper keeps each kind of its data.
+
+    A kind not set is kept forever. The sweeper (run by the gateway every SFT_SWEEP_INTERVAL_S) deletes
+    what is older, never a file a job that has not ended uses; each deletion is in the tenant's audit log."""
+    from gateway.access.audit import open_database  # lazy: the DB layer, this command only
+    from gateway.access.tokens import local_admin  # lazy: the DB layer, this command only
+    from gateway.db import session_scope  # lazy: the DB layer, this command only
+    from gateway.services import retention  # lazy: the DB layer, this command only
+    from gateway.services.tenants import get_tenant  # lazy: the DB layer, this command only
+
+    given = {"datasets": datasets, "results": results, "checkpoints": checkpoints, "logs": logs}
+    changes = {kind: retention.parse_days(v, kind) for kind, v in given.items() if v is not None}
+    with session_scope(open_database(get_settings())) as session:
+        row = retention.set_retention(session=session, tenant=get_tenant(session=session, name=name),
+                                      by=local_admin().label, changes=changes)
+        out = retention.retention_object(row)
+    if as_json:
+        click.echo(json.dumps(out))
+        return
+    click.echo(f"tenant {name}: keeps " + ", ".join(
+        f"{kind} {'forever' if days is None else f'{days} days'}" for kind, days in out["retention"].items()))
+
+
+@admin.command("sweep")
+@click.option("--dry-run", is_flag=True, help="Print what is due; delete nothing.")
+@click.option("--json", "as_json", is_flag=True)
+@friendly_errors
+def admin_sweep(dry_run: bool, as_json: bool) -> None:
+    """Run one retention sweep pass now (the gateway's leader runs one every SFT_SWEEP_INTERVAL_S): delete
+    expired files, what is older than each tenant's retention policy, and succeeded jobs' training state
+    beyond the checkpoints they keep. Bounded like the gateway's (SFT_SWEEP_MAX_ITEMS, SFT_SWEEP_BUDGET_S)."""
+    from gateway.access.audit import open_database  # lazy: the DB layer, this command only
+    from gateway.services.retention import sweep_pass  # lazy: the DB layer, this command only
+
+    settings = get_settings()
+    report = sweep_pass(open_database(settings), settings, storage=storage_for(settings), dry_run=dry_run)
+    if as_json:
+        click.echo(json.dumps(report.as_dict()))
+        return
+    if dry_run:
+        for t in report.tasks:
+            click.echo(f"due: {t.what} {t.id} (tenant {t.tenant}, {t.reason})")
+        click.echo(f"{len(report.tasks)} due, {report.held} held for jobs that have not ended")
+        return
+    kinds = ", ".join(f"{k} {n}" for k, n in sorted(report.deleted.items())) or "-"
+    stopped = f"; stopped: {report.stopped}" if report.stopped else ""
+    click.echo(f"{report.count} deleted ({kinds}), {report.freed_bytes} bytes freed, {report.held} held for jobs "
+               f"that have not ended, {report.errors} failed, {report.seconds:.2f}s{stopped}")
+
+
 @tenant.command("modify")
 @click.argument("name")
 @click.option("--shares", type=click.IntRange(1, 1_000_000), help="New Fairshare shares.")
@@ -142,6 +203,60 @@ def tenant_modify(name: str, shares: int | None, qos: str | None, gpu_limit: str
     gpus = adm.tenant_gpu_limit(name)
     click.echo(f"tenant {t.name}: shares {t.shares}, qos {','.join(t.qos)} (default {t.default_qos}), "
                f"gpu limit {'none' if gpus is None else gpus}")
+
+
+@tenant.command("quota")
+@click.argument("name")
+@click.option("--space", metavar="SIZE", help="Space the tenant's storage may hold (20G, 500M, 1.5T; 'none' lifts it).")
+@click.option("--files", "files", metavar="N", help="A limit on the number of files (not on btrfs: see below).")
+@click.option("--json", "as_json", is_flag=True)
+@friendly_errors
+def tenant_quota(name: str, space: str | None, files: str | None, as_json: bool) -> None:
+    """Show or set tenant NAME's storage quota, enforced by the filesystem.
+
+    The tenant's storage is a btrfs subvolume; --space sets its qgroup's limit, so every write past it
+    fails (an upload answers 507, a job's checkpoint fails as a user error). btrfs limits bytes only:
+    --files is refused there, with the reason."""
+    from gateway.access.audit import open_database  # lazy: the DB layer, this command only
+    from gateway.access.tokens import local_admin  # lazy: the DB layer, this command only
+    from gateway.db import session_scope  # lazy: the DB layer, this command only
+    from gateway.services.storageuse import record_quota  # lazy: the DB layer, this command only
+    from gateway.storage import quota  # lazy: this command only
+
+    validate_tenant_name(name)
+    if files is not None:
+        raise click.BadParameter("this site's tenant storage is btrfs, whose quotas (qgroups) limit bytes, never a "
+                                 "count of files: set --space only (a file limit needs user or project quotas of "
+                                 "ext4, XFS, Lustre or GPFS)", param_hint="--files")
+    adm = _admin()
+    try:
+        if space is None:
+            fs = adm.storage_usage(name)
+        else:
+            try:
+                limit = quota.parse_size(space)
+            except ValueError as e:
+                raise click.BadParameter(str(e), param_hint="--space") from None
+            fs = adm.set_quota(name, limit)
+            with session_scope(open_database(get_settings())) as session:
+                record_quota(session=session, name=name, by=local_admin().label, space=limit)
+    except FileNotFoundError:
+        raise click.ClickException(f"tenant {name} has no storage root: onboard it with "
+                                   f"`finetune admin tenant add {name} --qos ...`") from None
+    except quota.QuotaError as e:
+        raise click.ClickException(f"tenant {name}: {e}") from None
+    if as_json:
+        click.echo(json.dumps({"tenant": name, **fs.as_dict()}))
+        return
+    if fs.enforced_by is None:
+        click.echo(f"tenant {name}: no quota is enforced here (the tenants directory is not btrfs with quotas on)")
+        return
+    share = f" ({100 * fs.used_bytes / fs.limit_bytes:.1f} %)" if fs.used_bytes is not None and fs.limit_bytes else ""
+    click.echo(f"tenant {name}: {quota.human(fs.used_bytes)} used of "
+               f"{quota.human(fs.limit_bytes) if fs.limit_bytes else 'no limit'}{share}, enforced by {fs.enforced_by}")
+    if fs.used_bytes is not None and fs.limit_bytes and fs.used_bytes > fs.limit_bytes:
+        click.echo(f"  warning: {name} is over its quota: its uploads and its jobs' checkpoints fail until it "
+                   "frees space (or the quota is raised)", err=True)
 
 
 @admin.command("operator")

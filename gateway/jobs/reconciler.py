@@ -10,7 +10,8 @@ All state is in the database, so a restarted gateway picks up where it stopped.
 What the loop calls lives in rooms of its own: ``expected`` (queued jobs' expected starts),
 ``watch`` (the detectors on a running job), ``workers`` (cancel, pause and webhook threads),
 ``cleanup`` (the epilog's confirmation), ``recovery`` (interrupted submissions and sweeps),
-``tenantcalls`` (the per-tenant storage rounds) and ``loopstats`` (what /metrics reports).
+``tenantcalls`` (the per-tenant storage rounds), ``loopstats`` (what /metrics reports) and ``sweeper``
+(the retention pass, started after a cycle in a thread of its own).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from gateway.jobs.expected import ExpectedStarts
 from gateway.jobs.leader import Lease, LeaseLost
 from gateway.jobs.loopstats import CycleStats, LoopStats
 from gateway.jobs.recovery import recover_submissions
+from gateway.jobs.sweeper import RetentionSweeper
 from gateway.jobs.tenantcalls import TenantCalls, report
 from gateway.jobs.watch import watch_running
 from gateway.jobs.workers import Workers
@@ -63,6 +65,7 @@ class Reconciler:
         self.storage = storage_for(settings)
         self.stop = threading.Event()
         self.workers = Workers(engine, settings, client, self.owner)
+        self.sweeper = RetentionSweeper(engine, settings, self.storage)     # its own thread, never in a cycle
         self.starts = ExpectedStarts(client)
         self._next_sweep = 0.0
         self._tenant_calls = TenantCalls()
@@ -111,6 +114,7 @@ class Reconciler:
                     log.exception("reconcile cycle failed; retrying in %.0fs", delay)
                 if self.lease.held:
                     self.workers.start_deliveries()
+                    self.sweeper.start(self.fence)
                 self.stop.wait(delay)
         finally:
             try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from sqlmodel import Session, col, select
@@ -12,7 +13,7 @@ from gateway.access.tokens import Principal, who
 from gateway.config import Settings
 from gateway.datasets.tokencount import counter_for
 from gateway.datasets.validation import Validator
-from gateway.errors import Conflict, Forbidden, NotFound
+from gateway.errors import Conflict, Forbidden, NotFound, ServiceError
 from gateway.models import DataFile, FileStatus, FineTuningJob, utcnow
 from gateway.state import ACTIVE, JobState
 from gateway.storage import TenantStorage, layout, storage_for
@@ -63,12 +64,36 @@ def _summary(report: dict[str, Any]) -> str | None:
     return f"validation failed: {counts}{where}"[:2000]
 
 
+EXPIRES_ANCHOR, EXPIRES_SECONDS = "expires_after[anchor]", "expires_after[seconds]"
+"""OpenAI's ``expires_after`` as multipart form fields (what its clients send for the object)."""
+
+
+def expires_after(settings: Settings, fields: dict[str, str]) -> int | None:
+    """The seconds after its creation an upload with these form ``fields`` expires: ``expires_after[seconds]``
+    when ``expires_after[anchor]`` is ``created_at`` (OpenAI's only anchor); None without ``expires_after``.
+    ServiceError (400, ``param`` expires_after) for another anchor, or seconds that are not an integer
+    within ``file_expiry_min_s``..``file_expiry_max_s``."""
+    anchor, seconds = fields.get(EXPIRES_ANCHOR), fields.get(EXPIRES_SECONDS)
+    if anchor is None and seconds is None:
+        return None
+    if anchor != "created_at":
+        raise ServiceError(f"expires_after[anchor] must be 'created_at', not {anchor!r}", param="expires_after")
+    low, high = settings.file_expiry_min_s, settings.file_expiry_max_s
+    raw = (seconds or "").strip()
+    if not (raw.isascii() and raw.isdigit() and low <= int(raw) <= high):
+        raise ServiceError(f"expires_after[seconds] must be an integer from {low} to {high} "
+                           f"(seconds after the upload), not {seconds!r}", param="expires_after")
+    return int(raw)
+
+
 def store_upload(*, session: Session, settings: Settings, principal: Principal, upload: Upload,
-                 model: str | None) -> DataFile:
+                 model: str | None, expires_after_s: int | None = None) -> DataFile:
     """Name an uploaded temp file by its sha256 (broker ``upload_commit``) and record it.
 
-    An identical live upload of the same tenant is returned instead (deduplicated).
-    The status is ``processed`` when validation passed, else ``error``.
+    An identical live upload of the same tenant that never expires is returned instead (deduplicated)
+    when this one does not expire either; one that expires (``expires_after_s`` after its ``created_at``)
+    is a row of its own over the same bytes, which stay while any live row names them. The status is
+    ``processed`` when validation passed, else ``error``.
     """
     tenant_id, tenant_name = _tenant(principal)
     assert upload.stored is not None and upload.store is not None and upload.report is not None
@@ -80,19 +105,21 @@ def store_upload(*, session: Session, settings: Settings, principal: Principal, 
         raise
     upload.close_fd()
     upload.stored = None
-    existing = session.exec(select(DataFile).where(
+    existing = None if expires_after_s is not None else session.exec(select(DataFile).where(
         DataFile.tenant_id == tenant_id, DataFile.sha256 == upload.sha256, col(DataFile.path).is_(None),
-        col(DataFile.deleted_at).is_(None))).first()
+        col(DataFile.deleted_at).is_(None), col(DataFile.expires_at).is_(None))).first()
     if existing is not None:
         return existing
     row = DataFile(tenant_id=tenant_id, filename=upload.filename or "upload.jsonl", bytes=upload.size,
                    sha256=upload.sha256,
                    status=FileStatus.PROCESSED if report["ok"] else FileStatus.ERROR,
                    status_details=_summary(report), model=model, validation=report, created_by=who(principal))
+    if expires_after_s is not None:
+        row.expires_at = row.created_at + timedelta(seconds=expires_after_s)
     session.add(row)
     session.flush()
-    log.info("file %s stored for tenant %s: %d bytes, status %s", row.id, tenant_name, upload.size,
-             row.status)
+    log.info("file %s stored for tenant %s: %d bytes, status %s%s", row.id, tenant_name, upload.size,
+             row.status, f", expires {row.expires_at.isoformat(timespec='seconds')}" if row.expires_at else "")
     return row
 
 

@@ -22,6 +22,7 @@ from gateway.access.tokens import Principal, who
 from gateway.config import Settings
 from gateway.errors import Conflict, NotFound, ServiceError, SlurmError, TooManyJobs
 from gateway.models import DataFile, FileStatus, FineTuningJob, utcnow
+from gateway.services import retention
 from gateway.services.files import get_file
 from gateway.services.jobmemory import _model_shape, memory_check, widen_for_ranks
 from gateway.services.jobmodels import CHECKPOINT_MODEL, checkpoint_files, checkpoint_model_name, find_checkpoint_model
@@ -79,7 +80,8 @@ class JobRequest:
 
 
 def usable_file(session: Session, principal: Principal, file_id: str, param: str) -> DataFile:
-    """The caller's processed file ``file_id`` (NotFound naming ``param``; ServiceError if not processed)."""
+    """The caller's processed file ``file_id`` (NotFound naming ``param``; ServiceError if not processed, or
+    expired or past its tenant's retention: ``services.retention.file_due``)."""
     try:
         row = get_file(session=session, principal=principal, file_id=file_id)
     except NotFound as e:
@@ -88,6 +90,9 @@ def usable_file(session: Session, principal: Principal, file_id: str, param: str
         raise ServiceError(f"file {file_id} has status {row.status!r}: only validated files "
                            f"(status 'processed') can be used for training ({row.status_details or ''})",
                            param=param, code="invalid_file")
+    if (due := retention.file_due(session, row, utcnow())) is not None:
+        raise ServiceError(f"file {file_id} is {due} and is being deleted: it cannot start a job; upload it "
+                           "again", param=param, code="invalid_file")
     return row
 
 

@@ -119,6 +119,7 @@ def _one_event(s: Session, job: FineTuningJob, ev: dict[str, Any], progress: dic
                             path=str(ev.get("path", "")),
                             metrics={"train_loss": progress.get("loss"), "step": ev.get("step")}))
         add_event(s, job.id, f"Checkpoint saved at step {_int(ev.get('step'))}")
+        _pruned(ev, progress)
     elif kind == "early_stop":
         stop = {"step": _int(ev.get("step")), "best_step": _int(ev.get("best_step")),
                 "best_loss": _num(ev.get("best_loss"))}
@@ -131,6 +132,22 @@ def _one_event(s: Session, job: FineTuningJob, ev: dict[str, Any], progress: dic
                   f"(checkpoint {ev.get('checkpoint_step')})")
     elif kind == "failed":
         progress["failure"] = {"reason": ev.get("reason"), "message": ev.get("message")}
+
+
+MAX_PRUNED_STEPS = 1000     # the trainer's prune report kept in a job's progress (its lines are untrusted)
+
+
+def _pruned(ev: dict[str, Any], progress: dict[str, Any]) -> None:
+    """Keep what the trainer says its pruning removed while training (``checkpoints_pruned``: steps, bytes):
+    the tenant's own process's figures, shown as such beside the gateway's (``services.retention``)."""
+    steps = [n for n in ev.get("pruned") or [] if _int(n) is not None] if isinstance(ev.get("pruned"), list) else []
+    size = _int(ev.get("pruned_bytes"))
+    if not steps and not size:
+        return
+    seen = progress.get("checkpoints_pruned") or {}
+    progress["checkpoints_pruned"] = {
+        "steps": sorted(set(seen.get("steps") or []) | set(steps))[-MAX_PRUNED_STEPS:],
+        "bytes": int(seen.get("bytes") or 0) + max(size or 0, 0)}
 
 
 def _metrics(s: Session, job: FineTuningJob, ev: dict[str, Any], progress: dict[str, Any],

@@ -28,6 +28,7 @@ from typing import Any
 from gateway.errors import (
     Conflict,
     NotFound,
+    QuotaExceeded,
     ServiceError,
     StorageFailed,
     StorageFull,
@@ -35,22 +36,23 @@ from gateway.errors import (
     StorageUnavailable,
 )
 from gateway.slurm.runner import TENANT_SBATCH, CommandResult
-from gateway.storage import launch, layout, safefs
+from gateway.storage import launch, layout, quota, safefs
 from gateway.storage.broker import BrokerError, recv_msg, reply_error, run_verb, send_msg
 from gateway.storage.verbs import Reply
 from trainer.contract import jobdir
 from trainer.contract.spec import JobSpec, spec_file_text
 
-__all__ = ["Storage", "TenantRunner", "TenantStorage", "Upload", "create_tenant_root",
-           "layout", "storage_for"]
+__all__ = ["QUOTA_EXCEEDED", "STORAGE_FULL", "Freed", "Storage", "TenantRunner", "TenantStorage", "Upload",
+           "create_tenant_root", "layout", "storage_for"]
 
 
 def _error(code: str, message: str) -> ServiceError:
     if code == "not_found":
         return NotFound(message)
     if code == "storage_full":
-        return StorageFull("the tenant's storage is full: nothing was kept; free space or ask your "
-                           "administrator, then retry")
+        return StorageFull(STORAGE_FULL)
+    if code == "quota_exceeded":
+        return QuotaExceeded(QUOTA_EXCEEDED)
     if code == "unsafe_storage":
         return StorageTampered(f"the stored data was changed outside the gateway ({message}); "
                                "it is not used")
@@ -61,13 +63,25 @@ def _error(code: str, message: str) -> ServiceError:
     return StorageFailed(f"storage operation failed: {message}", code=code)
 
 
+QUOTA_EXCEEDED = ("storage quota exceeded: nothing was kept; delete files or models you no longer need "
+                  "(finetune files delete, finetune models delete), or ask your administrator for more space")
+STORAGE_FULL = ("the shared storage is full: nothing was kept; ask your administrator, then retry")
+
 # How long the gateway waits for a verb's reply; the broker kills the child once that has passed
 # (``broker.serve``), so a request the gateway gave up on never lives on as a tenant's process.
 TIMEOUT_S = 120.0
 VERB_TIMEOUT_S = {"read_events": 30.0, "read_spec": 30.0, "open_file": 30.0, "upload_begin": 30.0,
-                  "upload_abort": 30.0, "publish_commit": 60.0, "sweep": 120.0, "remove": 300.0,
+                  "upload_abort": 30.0, "storage_usage": 30.0, "publish_commit": 60.0, "sweep": 120.0, "remove": 300.0,
                   "publish_build": 900.0}      # adapter and checkpoint tars are copied and hashed
 SUBMIT_MARGIN_S = 30.0      # ``submit``: sbatch's own timeout plus this
+
+
+@dataclass(frozen=True)
+class Freed:
+    """What a ``remove`` freed: the paths that existed, and their regular files' bytes."""
+
+    removed: int
+    bytes: int | None
 
 
 @dataclass
@@ -177,8 +191,22 @@ def create_tenant_root(storage_root: Path, tenant: str, uid: int, gid: int) -> P
     if root.parent.exists() and os.lstat(root.parent).st_uid != 0:
         raise RuntimeError(f"{root.parent} must be a root-owned directory")
     safefs.own_dir(root.parent, 0, 0, 0o711)
+    _make_subvolume(root)
     safefs.own_dir(root, uid, gid, 0o700)
     return root
+
+
+def _make_subvolume(root: Path) -> None:
+    """Where the tenants directory is on btrfs with quotas on, a new tenant root is a subvolume of its
+    own, so that its space can be limited (``quota.set_limit``); elsewhere ``own_dir`` makes a plain dir."""
+    parent = os.open(root.parent, safefs.DIR_FLAGS)
+    try:
+        if quota.enabled(parent):
+            quota.create_subvolume(parent, root.name)
+    except FileExistsError:
+        pass
+    finally:
+        os.close(parent)
 
 
 _shared: dict[tuple[Path, Path, str | None, bool], Storage] = {}
@@ -260,7 +288,25 @@ class TenantStorage:
 
     def remove(self, paths: list[layout.Parts]) -> int:
         """Remove these paths (files or trees, links never followed); returns how many existed."""
-        return int(self._call("remove", {"paths": [list(layout.check(p)) for p in paths]}).result["removed"])
+        return self.free(paths).removed
+
+    def free(self, paths: list[layout.Parts]) -> Freed:
+        """``remove``, saying what it freed: how many paths existed and the bytes of their regular files
+        (as the broker measured them just before; None from a broker older than that figure)."""
+        r = self._call("remove", {"paths": [list(layout.check(p)) for p in paths]}).result
+        size = r.get("freed_bytes")
+        return Freed(int(r["removed"]), size if isinstance(size, int) and not isinstance(size, bool) else None)
+
+    def usage(self) -> quota.Usage:
+        """The tenant root's space as the filesystem counts and limits it (``quota.NONE`` where nothing does)."""
+        r = self._call("storage_usage").result
+
+        def number(key: str) -> int | None:
+            v = r.get(key)
+            return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+        by = r.get("enforced_by")
+        return quota.Usage(number("used_bytes"), number("limit_bytes"), by if isinstance(by, str) else None)
 
     def sweep(self, min_age_s: float) -> int:
         """Remove upload and publication temp names older than ``min_age_s``; returns how many."""

@@ -66,6 +66,11 @@ def unix_user_for(tenant: str) -> str:
     return f"sft-{tenant_name(tenant)}"
 
 
+def tenants_dir(storage_root: Path) -> Path:
+    """``<storage_root>/tenants``: root's, 0711; on a site with quotas, the filesystem that holds them."""
+    return storage_root / TENANTS
+
+
 def tenant_root(storage_root: Path, tenant: str) -> Path:
     """Absolute tenant root: for the trainer's spec and the onboarding code only."""
     return storage_root / TENANTS / tenant_name(tenant)
@@ -144,6 +149,20 @@ def is_result_name(name: object) -> bool:
 def training_state(job_id: str) -> list[Parts]:
     """What a job's training left behind besides its published results: checkpoints, attempts."""
     return [(*job(job_id), jobdir.CHECKPOINTS), (*job(job_id), jobdir.ATTEMPTS)]
+
+
+def slurm_output(slurm_job_id: int) -> str:
+    """The name of a job's Slurm output file in its directory (``slurm-<id>.out``: the batch script's
+    ``--output``, ``gateway.slurm.render``); LayoutError for an id that is not a positive integer."""
+    if not isinstance(slurm_job_id, int) or isinstance(slurm_job_id, bool) or not 1 <= slurm_job_id <= 2**32:
+        raise LayoutError(f"invalid Slurm job id: {slurm_job_id!r}")
+    return f"slurm-{slurm_job_id}.out"
+
+
+def job_logs(job_id: str, slurm_job_id: int | None) -> list[Parts]:
+    """A job's logs: the trainer's ``events.jsonl`` and, once it had a Slurm id, its Slurm output file."""
+    return [job_file(job_id, jobdir.EVENTS)] + ([job_file(job_id, slurm_output(slurm_job_id))]
+                                                if slurm_job_id is not None else [])
 
 
 def artifact(art_id: str) -> Parts:

@@ -181,3 +181,34 @@ def remove(dir_fd: int, name: str) -> bool:
     else:
         os.unlink(name, dir_fd=dir_fd)
     return True
+
+
+def tree_bytes(dir_fd: int, name: str) -> int:
+    """The bytes of the regular files at ``name`` (a file, or a whole tree walked by fd, never following a
+    link; a file linked twice counted once): what removing it frees. 0 for a link or a missing name."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return 0
+    if stat.S_ISREG(st.st_mode):
+        return st.st_size
+    if not stat.S_ISDIR(st.st_mode):
+        return 0
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for _, _, files, fd in os.fwalk(name, dir_fd=dir_fd, follow_symlinks=False):
+        for f in files:
+            try:
+                fst = os.stat(f, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(fst.st_mode) and (fst.st_dev, fst.st_ino) not in seen:
+                seen.add((fst.st_dev, fst.st_ino))
+                total += fst.st_size
+    return total
+
+
+def remove_measured(dir_fd: int, name: str) -> int | None:
+    """``remove``, and the bytes that freed (``tree_bytes`` just before); None when ``name`` did not exist."""
+    size = tree_bytes(dir_fd, name)
+    return size if remove(dir_fd, name) else None

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
-from gateway.storage import layout, safefs
+from gateway.storage import layout, quota, safefs
 from trainer.contract import jobdir
 
 MAX_SPEC_BYTES = 1 << 20
@@ -250,8 +250,9 @@ def write_claim(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
 
 @verb
 def remove(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
-    """Remove each named path (file or tree), never following a link; missing ones are fine."""
-    removed = 0
+    """Remove each named path (file or tree), never following a link; missing ones are fine. Replies
+    how many existed (``removed``) and the bytes of regular files that went with them (``freed_bytes``)."""
+    removed = freed = 0
     for raw in args.get("paths") or []:
         parts = layout.check(raw)
         if parts[0] not in (layout.DATASETS, layout.JOBS, layout.ARTIFACTS) or len(parts) < 2:
@@ -261,10 +262,12 @@ def remove(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
         except (FileNotFoundError, safefs.UnsafeStorage, NotADirectoryError):
             continue
         try:
-            removed += safefs.remove(d, parts[-1])
+            size = safefs.remove_measured(d, parts[-1])
         finally:
             os.close(d)
-    return Reply({"removed": removed})
+        if size is not None:
+            removed, freed = removed + 1, freed + size
+    return Reply({"removed": removed, "freed_bytes": freed})
 
 
 @verb
@@ -289,6 +292,13 @@ def sweep(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
         finally:
             os.close(d)
     return Reply({"removed": removed})
+
+
+@verb
+def storage_usage(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
+    """The tenant root's space as the filesystem counts and limits it (``quota.Usage``: used and limit
+    bytes, what enforces it; all None where nothing does), read as the tenant through its root's fd."""
+    return Reply(quota.usage(ctx.root_fd).as_dict())
 
 
 # --------------------------------------------------------------- publication

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -35,6 +36,9 @@ def print_report(obj: dict[str, Any]) -> None:
     v = obj.get("validation") or {}
     stats = v.get("stats") or {}
     click.echo(f"{obj['id']}  {obj['filename']}  {obj['bytes']} bytes  status: {obj['status']}")
+    if obj.get("expires_at"):
+        click.echo(f"  expires {datetime.fromtimestamp(obj['expires_at'], UTC).isoformat(timespec='seconds')} "
+                   "(then the gateway deletes it)")
     tok = stats.get("tokens")
     if tok:
         click.echo(f"  {stats.get('examples')} examples, {tok['total']} tokens "
@@ -54,14 +58,19 @@ def print_report(obj: dict[str, Any]) -> None:
 @files.command("upload")
 @click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--model", help="Base model whose tokenizer checks the lengths (default: the gateway's).")
+@click.option("--expires-after", type=click.IntRange(1), metavar="SECONDS",
+              help="Delete the file this long after the upload (OpenAI's expires_after; the gateway's bounds apply).")
 @click.option("--json", "as_json", is_flag=True)
-def upload(path: Path, model: str | None, as_json: bool) -> None:
+def upload(path: Path, model: str | None, expires_after: int | None, as_json: bool) -> None:
     """Upload a chat JSONL dataset; print its validation report. Exit 1 if it has errors."""
     size = path.stat().st_size
     with open(path, "rb") as f, click.progressbar(length=size, label=f"uploading {path.name}",
                                                   file=None if not as_json else open(os.devnull, "w")) as bar:
         r = call("POST", "/v1/files", params={"model": model} if model else None,
-                 data={"purpose": "fine-tune"}, files={"file": (path.name, _Progress(f, bar))})
+                 data={"purpose": "fine-tune", **({"expires_after[anchor]": "created_at",
+                                                   "expires_after[seconds]": str(expires_after)}
+                                                  if expires_after is not None else {})},
+                 files={"file": (path.name, _Progress(f, bar))})
     obj = r.json()
     click.echo(json.dumps(obj, indent=2)) if as_json else print_report(obj)
     if obj["status"] != "processed":

@@ -200,6 +200,16 @@ def _method_settings(j: dict[str, Any]) -> dict[str, Any]:
     return settings if isinstance(settings, dict) else {}
 
 
+def _freed(j: dict[str, Any]) -> str | None:
+    """What the gateway removed of the job's storage (``progress.storage``): bytes, and the checkpoints kept."""
+    rec = (j.get("progress") or {}).get("storage") or {}
+    if not isinstance(rec, dict) or not isinstance(rec.get("freed_bytes"), int):
+        return None
+    kept = rec.get("kept_steps")
+    return f"{rec['freed_bytes']} bytes" + (f" (checkpoints kept: steps {', '.join(map(str, kept)) or 'none'})"
+                                            if isinstance(kept, list) else "")
+
+
 def _show_text(j: dict[str, Any]) -> None:
     rows = [("status", progress_line(j)), ("model", j["model"]),
             ("fine-tuned model", j.get("fine_tuned_model")), ("training file", j["training_file"]),
@@ -207,6 +217,7 @@ def _show_text(j: dict[str, Any]) -> None:
             ("attempt", j.get("attempt")), ("qos", j.get("qos")), ("created", _when(j.get("created_at"))),
             ("finished", _when(j.get("finished_at"))), ("trained tokens", j.get("trained_tokens")),
             ("cleanup", j.get("cleanup")), ("result files", ", ".join(j.get("result_files") or []) or None),
+            ("storage freed", _freed(j)),
             ("method", (j.get("method") or {}).get("type")),
             ("hyperparameters", json.dumps(_method_settings(j).get("hyperparameters")))]
     click.echo(j["id"])

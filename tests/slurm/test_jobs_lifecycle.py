@@ -28,7 +28,8 @@ LONG_HP = {"n_epochs": 6, "batch_size_tokens": 256, "max_seq_len": 256, "checkpo
 
 @pytest.fixture(scope="module")
 def gw(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
-    g = LiveGateway(tmp_path_factory.mktemp("life"), (A, B))
+    # no retention sweeper: a test here reads a succeeded job's staging dir, which the sweeper's prune removes
+    g = LiveGateway(tmp_path_factory.mktemp("life"), (A, B), SFT_SWEEP_INTERVAL_S="0")
     yield g
     g.stop()
 

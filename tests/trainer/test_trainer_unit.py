@@ -286,6 +286,16 @@ def test_prune_keeps_last_k(tmp_path: Path) -> None:
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+def test_prune_keeps_the_best_step_too_and_says_what_it_freed(tmp_path: Path) -> None:
+    for step in (1, 2, 3, 4, 5):
+        ckpt.write_complete_dir(ckpt.step_dir(tmp_path, step), {"adapter": b"x" * (100 * step), "state": b"s" * 7})
+    sizes = {step: ckpt.dir_bytes(ckpt.step_dir(tmp_path, step)) for step in (1, 2, 3, 4, 5)}
+    assert sizes[3] == 300 + 7            # COMPLETE is empty
+    assert ckpt.prune_measured(tmp_path, keep=1, also_keep=[2]) == ([1, 3, 4], sizes[1] + sizes[3] + sizes[4])
+    assert ckpt.complete_steps(tmp_path) == [2, 5]
+    assert ckpt.prune(tmp_path, keep=1, also_keep=[5]) == [2]     # the best is the newest: one stays
+
+
 def test_write_atomic_replaces(tmp_path: Path) -> None:
     ckpt.write_atomic(tmp_path / "f.json", b"one")
     ckpt.write_atomic(tmp_path / "f.json", b"two", mode=0o644)
