@@ -123,7 +123,7 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = strip_422(default_openapi())
+            app.openapi_schema = files.declare_bounds(strip_422(default_openapi()), settings)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

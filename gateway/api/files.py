@@ -10,6 +10,7 @@ from fastapi.responses import StreamingResponse
 from gateway.access.policy import Policy
 from gateway.api.deps import PrincipalDep, SessionDep, SettingsDep, access
 from gateway.api.fastjson import FastJSON
+from gateway.config import Settings
 from gateway.datasets.uploads import receive
 from gateway.datasets.validation import Validator
 from gateway.errors import ServiceError, TooLarge
@@ -32,12 +33,24 @@ def file_object(row: DataFile) -> dict[str, Any]:
     }
 
 
+def declare_bounds(schema: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    """Write this gateway's ``expires_after[seconds]`` bounds (settings, so not known at import) into the
+    upload's schema, so a client reading the OpenAPI document learns what the upload accepts."""
+    upload = schema.get("paths", {}).get("/v1/files", {}).get("post", {})
+    form = upload.get("requestBody", {}).get("content", {}).get("multipart/form-data", {}).get("schema", {})
+    if seconds := form.get("properties", {}).get(svc.EXPIRES_SECONDS):
+        seconds.update(minimum=settings.file_expiry_min_s, maximum=settings.file_expiry_max_s)
+    return schema
+
+
 @router.post("", openapi_extra={"requestBody": {"required": True, "content": {"multipart/form-data": {
     "schema": {"type": "object", "required": ["file", "purpose"], "properties": {
         "file": {"type": "string", "format": "binary"},
         "purpose": {"type": "string", "enum": ["fine-tune"]},
         "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
-        "expires_after[seconds]": {"type": "integer"}}}}}}}, status_code=200)
+        "expires_after[seconds]": {"type": "integer"}},      # its bounds: declare_bounds
+    # seconds alone counts from created_at (the only anchor); an anchor alone says nothing: 400
+    "dependentRequired": {"expires_after[anchor]": ["expires_after[seconds]"]}}}}}}, status_code=200)
 async def create_file(request: Request, session: SessionDep, settings: SettingsDep,
                       principal: PrincipalDep, model: str | None = Query(None, max_length=100)) -> dict[str, Any]:
     """Upload a chat JSONL dataset (multipart: ``file``, ``purpose=fine-tune``, optional ``model`` and

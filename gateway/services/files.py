@@ -69,14 +69,18 @@ EXPIRES_ANCHOR, EXPIRES_SECONDS = "expires_after[anchor]", "expires_after[second
 
 
 def expires_after(settings: Settings, fields: dict[str, str]) -> int | None:
-    """The seconds after its creation an upload with these form ``fields`` expires: ``expires_after[seconds]``
-    when ``expires_after[anchor]`` is ``created_at`` (OpenAI's only anchor); None without ``expires_after``.
-    ServiceError (400, ``param`` expires_after) for another anchor, or seconds that are not an integer
-    within ``file_expiry_min_s``..``file_expiry_max_s``."""
+    """The seconds after its creation an upload with these form ``fields`` expires: ``expires_after[seconds]``,
+    counted from ``expires_after[anchor]``, which is ``created_at`` (OpenAI's only anchor, so also what a
+    missing anchor means); None without ``expires_after``. ServiceError (400, ``param`` expires_after) for
+    another anchor, an anchor without seconds, or seconds that are not an integer within
+    ``file_expiry_min_s``..``file_expiry_max_s``."""
     anchor, seconds = fields.get(EXPIRES_ANCHOR), fields.get(EXPIRES_SECONDS)
     if anchor is None and seconds is None:
         return None
-    if anchor != "created_at":
+    if seconds is None:
+        raise ServiceError("expires_after[anchor] without expires_after[seconds]: send both (or neither)",
+                           param="expires_after")
+    if anchor is not None and anchor != "created_at":
         raise ServiceError(f"expires_after[anchor] must be 'created_at', not {anchor!r}", param="expires_after")
     low, high = settings.file_expiry_min_s, settings.file_expiry_max_s
     raw = (seconds or "").strip()

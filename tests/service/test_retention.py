@@ -47,8 +47,12 @@ def gw(settings: Settings) -> Iterator[Gateway]:
 
 
 def upload(gw: Gateway, content: bytes, seconds: int | str | None = None, who: str = TENANT_A,
-           anchor: str = "created_at") -> Any:
-    extra = {} if seconds is None else {"expires_after[anchor]": anchor, "expires_after[seconds]": str(seconds)}
+           anchor: str | None = None, no_anchor: bool = False) -> Any:
+    """POST /v1/files; with ``seconds``, the anchor ``created_at`` unless ``anchor`` names another or
+    ``no_anchor``; an ``anchor`` given is sent even without seconds."""
+    extra = {} if seconds is None else {"expires_after[seconds]": str(seconds)}
+    if anchor is not None or (seconds is not None and not no_anchor):
+        extra["expires_after[anchor]"] = anchor or "created_at"
     return gw.client.post("/v1/files", headers=gw.auth(who), data={"purpose": "fine-tune", **extra},
                           files={"file": ("train.jsonl", content, "application/jsonl")})
 
@@ -89,12 +93,28 @@ def test_the_tenant_cli_uploads_with_an_expiry(gw: Gateway, monkeypatch: pytest.
     assert code == 0 and "expires 20" in out and "(then the gateway deletes it)" in out, out
 
 
+def test_the_openapi_document_declares_this_gateways_expiry_bounds(gw: Gateway) -> None:
+    """A schema-valid upload is one the gateway accepts: the bounds come from its settings (here 1 s),
+    so a client generated from /openapi.json never sends a value the gateway answers 400 to."""
+    doc = gw.client.get("/openapi.json").json()
+    form = doc["paths"]["/v1/files"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    seconds = form["properties"]["expires_after[seconds]"]
+    assert (seconds["minimum"], seconds["maximum"]) == (1, 2592000), seconds
+    assert upload(gw, chat_lines(12, start=40), seconds["minimum"]).status_code == 200
+    assert upload(gw, chat_lines(12, start=41), seconds["minimum"] - 1).status_code == 400
+    # seconds alone count from created_at, the only anchor (the schema lets a client leave it out)
+    alone = upload(gw, chat_lines(12, start=42), 3600, no_anchor=True)
+    assert alone.status_code == 200 and alone.json()["expires_at"] == alone.json()["created_at"] + 3600, alone.text
+    assert form["dependentRequired"] == {"expires_after[anchor]": ["expires_after[seconds]"]}
+
+
 @pytest.mark.parametrize(("seconds", "anchor", "says"), [
     (0, "created_at", "from 1 to 2592000"),
     (2592001, "created_at", "from 1 to 2592000"),
     ("3600.5", "created_at", "integer"),
     ("soon", "created_at", "integer"),
     (3600, "last_active_at", "must be 'created_at'"),
+    (None, "created_at", "without expires_after[seconds]"),
 ])
 def test_bad_expires_after_is_a_clear_400_and_keeps_nothing(gw: Gateway, seconds: Any, anchor: str,
                                                             says: str) -> None:
