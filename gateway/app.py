@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.access.policy import Policy, undeclared_routes
-from gateway.api import files, jobs, metrics, models, registry, signin, staff, sweeps, usage, webhooks
+from gateway.api import deletion, files, jobs, metrics, models, registry, signin, staff, sweeps, usage, webhooks
 from gateway.api.deps import PrincipalCache, access
 from gateway.api.errors import COMMON_ERRORS, error_body, strip_422
 from gateway.api.limits import BodyLimit
@@ -81,6 +81,7 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
     app.include_router(staff.router)
     app.include_router(signin.router)
     app.include_router(usage.router)
+    app.include_router(deletion.router)
     app.include_router(metrics.router)
     app.include_router(portal_router)
     app.mount(STATIC_URL, StaticFiles(directory=STATIC_DIR), name="portal-static")

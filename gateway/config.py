@@ -116,6 +116,14 @@ class Settings(BaseSettings):
     broker_cycle_timeout_s: float = 3.0
     reconcile_max_backoff_s: float = 60.0
     scrub_report_dir: Path = Path("/var/lib/slurm-finetune/scrub")
+    # Where a tenant's jobs leave files outside its storage root on a node (`admin tenant delete` removes
+    # the tenant's on this host): the scrubber's scratch root (its scratch_root), the temp dirs its epilog
+    # clears, and Slurm's job_container.conf (the BasePath of each job's private /tmp).
+    scratch_root: Path = Path("/var/lib/slurm-finetune/scratch")
+    node_tmp_dirs: list[Path] = [Path("/tmp"), Path("/dev/shm"), Path("/var/tmp")]
+    job_container_conf: Path = Path("/etc/slurm/job_container.conf")
+    # Deletion receipts (`admin tenant delete`): JSON, 0600 root, in a 0700 directory.
+    receipt_dir: Path = Path("/var/lib/slurm-finetune/receipts")
     slurm_partition: str | None = None
     # SSH access to a Slurm login node when the gateway runs off-cluster.
     ssh_host: str | None = None

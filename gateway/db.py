@@ -10,7 +10,8 @@ import errno
 import json
 import os
 import stat
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -138,3 +139,38 @@ def session_scope(engine: Engine) -> Iterator[Session]:
         except BaseException:
             session.rollback()
             raise
+
+
+def secure_deletes(conn: sa.Connection) -> None:
+    """On SQLite, make this connection zero what it deletes (``PRAGMA secure_delete``) instead of only
+    unlinking it from the b-tree; on other databases nothing (see ``erase_freed``)."""
+    if conn.dialect.name == "sqlite":
+        conn.exec_driver_sql("PRAGMA secure_delete=ON")
+
+
+def erase_freed(engine: Engine, tables: Iterable[str] = (), *, tries: int = 50, pause_s: float = 0.2) -> str:
+    """After rows were deleted, leave none of their bytes in the database's files where the database lets
+    us, and return one line saying what was done. SQLite: VACUUM (the file rebuilt from the live rows, its
+    free pages gone), then ``wal_checkpoint(TRUNCATE)`` (the WAL, which still held the old pages, copied
+    back and cut to 0 bytes), retried while another connection reads (``tries`` x ``pause_s``); the line
+    says so when a reader kept it busy. PostgreSQL: VACUUM of ``tables`` (dead rows' space marked reusable:
+    not overwritten, and the server's WAL, replicas and backups keep what they hold)."""
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        if conn.dialect.name != "sqlite":
+            names = sorted(set(tables))
+            for name in names:
+                conn.exec_driver_sql(f'VACUUM "{name}"')
+            return f"VACUUM of {len(names)} tables ({', '.join(names)}): space marked free, not overwritten"
+        conn.exec_driver_sql("PRAGMA secure_delete=ON")
+        conn.exec_driver_sql("VACUUM")
+        busy = 1
+        for _ in range(max(1, tries)):
+            busy = conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)").one()[0]
+            if not busy:
+                break
+            time.sleep(pause_s)
+        if busy:
+            return ("secure_delete, VACUUM; the WAL could NOT be truncated (another connection kept reading): "
+                    "stop the gateways and run the deletion's last step again (`finetune admin tenant delete "
+                    "NAME --yes` on a deleted tenant only scrubs)")
+        return "secure_delete, VACUUM, wal_checkpoint(TRUNCATE): no freed page or WAL frame kept"

@@ -53,6 +53,7 @@ log = logging.getLogger("gateway.access.audit")
 GENESIS = "0" * 64
 ALLOWED, DENIED = "allowed", "denied"
 ALERT = "alert"          # allowed, and the tenant should look: an operator minted a token for it
+TENANT_DELETED = "tenant.delete"   # the last tombstone of a tenant's deletion: its namesake sees what follows
 HASHED_FIELDS = ("seq", "at", "actor_token_id", "actor_role", "tenant", "resource", "action",
                  "grant_id", "outcome", "reason", "prev_hash")
 

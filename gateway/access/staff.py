@@ -350,10 +350,14 @@ def tenant_metadata(*, session: Session, engine: Engine, principal: Principal, t
 
 # --------------------------------------------------------------------- audit
 def tenant_audit(*, session: Session, principal: Principal, after: int | None, limit: int) -> list[AuditEntry]:
-    """The audit entries about the caller's tenant, newest first, before seq ``after``."""
+    """The audit entries about the caller's tenant, newest first, before seq ``after``; only those
+    after the newest ``tenant.delete`` tombstone of its name (a deleted namesake's entries stay in
+    the chain, never shown to the tenant made after it)."""
     if principal.tenant_name is None:
         raise Forbidden("this route needs a tenant token (member or tenant admin)")
-    q = select(AuditEntry).where(AuditEntry.tenant == principal.tenant_name)
+    deleted = session.exec(select(sa.func.max(AuditEntry.seq)).where(
+        AuditEntry.tenant == principal.tenant_name, AuditEntry.action == audit.TENANT_DELETED)).one() or 0
+    q = select(AuditEntry).where(AuditEntry.tenant == principal.tenant_name, col(AuditEntry.seq) > deleted)
     if after is not None:
         q = q.where(col(AuditEntry.seq) < after)
     return list(session.exec(q.order_by(col(AuditEntry.seq).desc()).limit(limit)))

@@ -1,7 +1,8 @@
 """Cluster-side administration: QOS tiers, the parent account, tenants' Slurm accounts.
 
-Only sacctmgr command lines live here; onboarding a whole tenant (its unix user and
-group, its storage root, then its account through ``Admin.ensure_account``) is
+Only sacctmgr command lines live here (and the one squeue that says whether an account still
+has jobs, before it is removed); onboarding a whole tenant (its unix user and group, its storage
+root, then its account through ``Admin.ensure_account``) and deleting one (``remove_account``) is
 ``gateway.storage.onboarding``, a layer above. Everything is idempotent: running it
 twice changes nothing the second time.
 """
@@ -167,6 +168,44 @@ class Admin:
             if a.name == name:
                 return a
         raise KeyError(f"no tenant {name!r}")
+
+    # ------------------------------------------------------- tenant removal
+    def account_jobs(self, name: str) -> list[str]:
+        """The ids of every job Slurm still holds under account ``name`` (pending, running, suspended,
+        completing), in ONE squeue call; [] when none (or no such account)."""
+        res = self.runner.run(["squeue", "--noheader", f"--account={validate_tenant_name(name)}", "--format=%i"],
+                              timeout=60).check()
+        return [line.strip() for line in res.stdout.splitlines() if line.strip()]
+
+    def account_exists(self, name: str) -> bool:
+        """Whether Slurm has an account ``name`` (under any parent; deleted ones do not count)."""
+        return bool(self._show("account", validate_tenant_name(name), "format=Account"))
+
+    def remove_account(self, name: str, *, user: str) -> bool:
+        """Remove tenant account ``name`` and its associations, then the Slurm user ``user`` once no
+        association of it is left (a tenant's unix user belongs to its own account only). Returns
+        whether the account existed; running it again changes nothing. Slurm keeps its accounting
+        records of past jobs (marked deleted with the account). Raises ValueError, before any change,
+        for an account that is not under the parent account; SlurmCommandError with sacctmgr's text
+        (e.g. ``Job(s) active``: cancel them first)."""
+        validate_tenant_name(name)
+        _valid_unix_user(user)
+        existed = self.account_exists(name)
+        if existed:
+            if name not in {a.name for a in self.list_accounts()}:
+                raise ValueError(f"Slurm account {name!r} is not under {self.parent!r}: not a tenant's account, "
+                                 "left alone")
+            self._remove("account", "where", f"name={name}")
+        if self._show("user", user, "format=User") and not self._show("association", "where", f"user={user}",
+                                                                      "format=Account"):
+            self._remove("user", "where", f"name={user}")
+        return existed
+
+    def _remove(self, *args: str) -> None:
+        res = self.runner.run(["sacctmgr", "--immediate", "remove", *args], timeout=60)
+        if res.returncode != 0 and "Nothing deleted" in res.stdout + res.stderr:
+            return
+        res.check()
 
     # ------------------------------------------------------- tenant limits
     def modify_tenant(self, name: str, *, shares: int | None = None,

@@ -23,7 +23,7 @@ import pwd
 import re
 import secrets
 import stat
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,9 +64,9 @@ def parse(text: str) -> dict[str, Entry]:
     return out
 
 
-def render(entries: Collection[Entry]) -> str:
+def render(entries: Collection[Entry], header: str = _HEADER) -> str:
     """The registry text of ``entries`` (a header comment, then one ``name uid gid`` line each)."""
-    return _HEADER + "".join(f"{e.name} {e.uid} {e.gid}\n" for e in entries)
+    return header + "".join(f"{e.name} {e.uid} {e.gid}\n" for e in entries)
 
 
 def _check_dir(fd: int, path: Path, owner: int) -> None:
@@ -135,20 +135,73 @@ def record(entry: Entry, path: Path = TENANT_USERS, *, owner: int = 0) -> None:
     the directory). The file is 0644, owned by the caller (root). RegistryError as ``read``."""
     if not _USER.fullmatch(entry.name) or min(entry.uid, entry.gid) < 0:
         raise ValueError(f"not a registry entry: {entry!r}")
+
+    def add(entries: dict[str, Entry]) -> None:
+        entries.pop(entry.name, None)
+        entries[entry.name] = entry
+
+    _rewrite(path, owner, add, _RETIRED_HEADER if path.name.endswith(RETIRED_SUFFIX) else _HEADER)
+
+
+def forget(name: str, path: Path = TENANT_USERS, *, owner: int = 0) -> Entry | None:
+    """Remove ``name``'s line from the registry (a deleted tenant's user: the broker never acts as
+    it again), atomically as ``record``; returns the entry it held, None when it held none (the file
+    is then left as it is). RegistryError as ``read``."""
+    if not _USER.fullmatch(name):
+        raise ValueError(f"not a unix user name: {name!r}")
+    if name not in read(path, owner=owner):
+        return None
+    gone: dict[str, Entry] = {}
+
+    def drop(entries: dict[str, Entry]) -> None:
+        if name in entries:
+            gone[name] = entries.pop(name)
+
+    _rewrite(path, owner, drop, _HEADER)
+    return gone.get(name)
+
+
+RETIRED_SUFFIX = ".retired"
+_RETIRED_HEADER = ("# unix users of deleted tenants: name uid gid (root-owned). These ids are never given to\n"
+                   "# a new tenant (files and Slurm job records of the old one may still carry them); this\n"
+                   "# file grants nothing\n")
+
+
+def retired_path(registry: Path = TENANT_USERS) -> Path:
+    """The file beside ``registry`` that lists deleted tenants' users (``tenant-users.retired``)."""
+    return registry.with_name(registry.name + RETIRED_SUFFIX)
+
+
+def retire(entry: Entry, registry: Path = TENANT_USERS, *, owner: int = 0) -> None:
+    """Add a deleted tenant's user to the retired list beside ``registry``, one line per (user, uid):
+    named ``<user>_<uid>`` there, so a name deleted twice keeps both ids. RegistryError as ``read``."""
+    record(Entry(f"{entry.name[:21]}_{entry.uid}", entry.uid, entry.gid), retired_path(registry), owner=owner)
+
+
+def free_system_id(taken: Collection[int]) -> int:
+    """The highest id in the system range (``STATIC_UID_MAX`` < id <= ``SYSTEM_UID_MAX``, where
+    ``useradd --system`` allocates) not in ``taken``; ValueError when every one is."""
+    for n in range(SYSTEM_UID_MAX, STATIC_UID_MAX, -1):
+        if n not in taken:
+            return n
+    raise ValueError(f"no free system uid/gid left in {STATIC_UID_MAX + 1}-{SYSTEM_UID_MAX}")
+
+
+def _rewrite(path: Path, owner: int, change: Callable[[dict[str, Entry]], None], header: str) -> None:
+    """Apply ``change`` to the entries of ``path`` and write them back atomically, under the flock."""
     path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     dfd = _open_dir(path.parent, owner)
     try:
         fcntl.flock(dfd, fcntl.LOCK_EX)
         entries = _read_at(dfd, path, owner)
-        entries.pop(entry.name, None)
-        entries[entry.name] = entry
+        change(entries)
         tmp = f".{path.name}.{secrets.token_hex(6)}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
                      dir_fd=dfd)
         try:
             try:
                 os.fchmod(fd, 0o644)
-                data = render(entries.values()).encode()
+                data = render(entries.values(), header).encode()
                 while data:
                     data = data[os.write(fd, data):]
                 os.fsync(fd)

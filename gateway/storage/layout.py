@@ -196,3 +196,28 @@ def claim_code_file(token_id: object) -> str:
     if not isinstance(token_id, int) or isinstance(token_id, bool) or not 1 <= token_id <= MAX_TOKEN_ID:
         raise LayoutError(f"invalid token id: {token_id!r}")
     return f"{CLAIM_CODE_PREFIX}{token_id}"
+
+
+DELETION_KINDS = ("datasets", "checkpoints", "logs", "job_files", "results", "claim_codes", "other")
+_SLURM_OUTPUT = re.compile(r"^slurm-[0-9]+\.out$")
+
+
+def deletion_kind(rel: str) -> str:
+    """What a path relative to a tenant root holds, as a deletion receipt counts it (one of
+    DELETION_KINDS): datasets, checkpoints, logs (Slurm output, the trainer's events), job_files
+    (spec, attempts' staging), results (published artifacts), claim_codes, or other."""
+    parts = rel.split("/")
+    top = parts[0]
+    if top == DATASETS:
+        return "datasets"
+    if top == ARTIFACTS:
+        return "results"
+    if top == JOBS and len(parts) >= 3:
+        if parts[2] == jobdir.CHECKPOINTS:
+            return "checkpoints"
+        if len(parts) == 3 and (parts[2] == jobdir.EVENTS or _SLURM_OUTPUT.fullmatch(parts[2])):
+            return "logs"
+        return "job_files"
+    if len(parts) == 1 and top.startswith(CLAIM_CODE_PREFIX):
+        return "claim_codes"
+    return "other"

@@ -5,7 +5,9 @@ plus what a tenant is outside Slurm: a unix user this project made (recorded in
 ``gateway.storage.identities``) that owns the tenant root (``gateway.storage.layout``).
 It sits in gateway.storage, above gateway.slurm, so the Slurm adapter imports no storage.
 Everything is idempotent: running ``add_tenant`` twice changes nothing the second time,
-and a partially onboarded tenant is completed by running it again.
+and a partially onboarded tenant is completed by running it again. Deletion's parts are here too
+(``unix_user``, ``node_leftovers``, ``remove_unix_user``; the account: ``Admin.remove_account``);
+``gateway.services.tenantdelete`` puts them in order.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway.slurm import jobcontainer
 from gateway.slurm.admin import Account, Admin
 from gateway.slurm.runner import Runner
-from gateway.storage import create_tenant_root, identities, quota, safefs
+from gateway.storage import create_tenant_root, erase, identities, quota, safefs
 from gateway.storage.layout import tenant_root, unix_user_for
 
 
@@ -38,6 +41,27 @@ class Tenant:
 
 class IdentityRefused(ValueError):
     """A tenant whose unix user would be an account slurm-finetune did not make (or a reserved one)."""
+
+
+@dataclass(frozen=True)
+class UnixUser:
+    """A tenant's unix user as its deletion sees it: ``ours`` when the registry holds it with these
+    ids (only then is it removed); ``note`` says why it is left alone otherwise."""
+    name: str
+    uid: int | None
+    gid: int | None
+    exists: bool
+    ours: bool
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class NodePlaces:
+    """Where a job leaves files on a node outside its tenant's storage: the scrubber's scratch root,
+    job_container's BasePaths (a job's private /tmp), and the shared temp dirs its epilog clears."""
+    scratch_root: Path
+    job_tmp_bases: tuple[Path, ...]
+    tmp_dirs: tuple[Path, ...]
 
 
 def _getpw(user: str) -> pwd.struct_passwd | None:
@@ -164,17 +188,79 @@ class TenantAdmin(Admin):
             gr: grp.struct_group | None = grp.getgrnam(user)
         except KeyError:
             gr = None
+        # ids a deleted tenant's user had are never handed out again (``identities.retired_path``): its
+        # Slurm job records and any file it left somewhere still carry them
+        retired = identities.read(identities.retired_path(self.registry))
+        avoid = {i for e in retired.values() for i in (e.uid, e.gid)}
+        uids = {p.pw_uid for p in pwd.getpwall()} if avoid else set()
         if gr is None:
-            self.runner.run(["groupadd", "--system", user]).check()
+            pick = ["--gid", str(identities.free_system_id(avoid | uids | {g.gr_gid for g in grp.getgrall()}))] \
+                if avoid else []
+            self.runner.run(["groupadd", "--system", *pick, user]).check()
         elif gr.gr_mem or gr.gr_gid in reserved_gids or gr.gr_gid <= identities.STATIC_UID_MAX \
                 or any(p.pw_gid == gr.gr_gid for p in pwd.getpwall()):
             raise IdentityRefused(
                 f"refusing tenant {name!r}: group {user} (gid {gr.gr_gid}) already exists and is in use "
                 "(it has members, is an account's primary group or a reserved gid): `tenant add` never "
                 f"adopts a group it did not create. Choose another tenant name, or remove {user}.")
-        self.runner.run(["useradd", "--system", "--gid", user, "--home-dir", str(home),
+        pick = []
+        if avoid:
+            gid = grp.getgrnam(user).gr_gid
+            pick = ["--uid", str(gid if gid not in uids | avoid else identities.free_system_id(uids | avoid))]
+        self.runner.run(["useradd", "--system", *pick, "--gid", user, "--home-dir", str(home),
                          "--no-create-home", "--shell", identities.TENANT_SHELL, user]).check()
         pw = pwd.getpwnam(user)
         identities.record(identities.Entry(user, pw.pw_uid, pw.pw_gid), self.registry)
         return pw.pw_uid, pw.pw_gid
+
+    # ------------------------------------------------- deleting a tenant
+    def unix_user(self, name: str) -> UnixUser:
+        """Tenant ``name``'s unix user as deletion sees it: whether it exists and whether this project
+        made it (the registry holds it with its current uid and gid), which alone lets deletion remove
+        it. RegistryError when the registry is unsafe to trust."""
+        user = unix_user_for(name)
+        pw, entry = _getpw(user), identities.read(self.registry).get(user)
+        if pw is None:
+            return UnixUser(user, entry.uid if entry else None, entry.gid if entry else None, exists=False,
+                            ours=entry is not None, note="no such unix user")
+        ours = entry is not None and (entry.uid, entry.gid) == (pw.pw_uid, pw.pw_gid) and pw.pw_uid != 0
+        note = "" if ours else (f"not made by slurm-finetune (not in {self.registry} with uid {pw.pw_uid}): "
+                                "left as it is")
+        return UnixUser(user, pw.pw_uid, pw.pw_gid, exists=True, ours=ours, note=note)
+
+    def node_leftovers(self, user: UnixUser, slurm_job_ids: Sequence[int], places: NodePlaces) -> list[Path]:
+        """What the tenant's jobs may have left on this host outside its storage root: each job's
+        scratch dir (``<scratch_root>/job-<id>``, the scrubber's) and private /tmp (``<BasePath>/<id>``,
+        job_container's) that still exist, and every entry directly in the scratch root and the shared
+        temp dirs owned by the tenant's uid (what the epilog removes after a job)."""
+        found: list[Path] = []
+        for sid in sorted(set(slurm_job_ids)):
+            found += [p for p in (places.scratch_root / f"job-{int(sid)}",
+                                  *(jobcontainer.job_tmp_dir(b, int(sid)) for b in places.job_tmp_bases))
+                      if os.path.lexists(p)]
+        if user.uid is not None and user.uid != 0:
+            for top in (places.scratch_root, *places.tmp_dirs):
+                found += erase.owned_entries(top, user.uid)
+        return sorted(set(found))
+
+    def remove_unix_user(self, name: str) -> UnixUser:
+        """Remove tenant ``name``'s unix user and its group, only when this project made it
+        (``unix_user``), and move its registry line to the retired list (its ids are never given to
+        another tenant). Returns what it found; a user that is not ours is left as it is. Raises
+        SlurmCommandError with userdel's text (e.g. the user still runs processes)."""
+        found = self.unix_user(name)
+        if not found.ours:
+            return found
+        if found.exists:
+            self.runner.run(["userdel", found.name]).check()
+            try:
+                gr = grp.getgrnam(found.name)
+            except KeyError:
+                gr = None
+            if gr is not None and gr.gr_gid == found.gid and not gr.gr_mem:
+                self.runner.run(["groupdel", found.name]).check()
+        if found.uid is not None and found.gid is not None:
+            identities.retire(identities.Entry(found.name, found.uid, found.gid), self.registry)
+        identities.forget(found.name, self.registry)
+        return found
 

@@ -57,6 +57,9 @@ def test_every_route_of_the_app_declares_its_policy(app: FastAPI) -> None:
     assert table["POST /v1/tokens/rotate"] is Policy.TENANT
     assert table["POST /v1/tokens/claim"] is Policy.TENANT
     assert table["POST /v1/tokens/{token_id}/revoke"] is Policy.TENANT_ADMIN
+    # only the tenant's admin asks for (and withdraws, and follows) the tenant's deletion
+    for method in ("POST", "GET", "DELETE"):
+        assert table[f"{method} /v1/tenant/deletion_request"] is Policy.TENANT_ADMIN
 
 
 def test_operators_reach_content_only_through_grant_checked_routes(app: FastAPI) -> None:
