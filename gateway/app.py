@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.access import members
 from gateway.access.policy import Policy, undeclared_routes
 from gateway.api import deletion, files, jobs, metrics, models, registry, signin, staff, sweeps, usage, webhooks
 from gateway.api.deps import PrincipalCache, access
@@ -66,6 +67,7 @@ def create_app(settings: Settings, *, run_migrations: bool = True, reconcile: bo
     app.add_middleware(BodyLimit, max_bytes=settings.max_json_bytes)   # 413 for oversized bodies
     metrics.install(app)                                                # outermost: times everything
     app.state.settings = settings
+    members.GROUPS.ttl_s = settings.membership_ttl_s
     app.state.engine = backend.engine
 
     app.state.principals = PrincipalCache(settings.token_cache_s) if settings.token_cache_s > 0 else None

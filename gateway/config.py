@@ -135,6 +135,9 @@ class Settings(BaseSettings):
     # Signing in (gateway.access.signin): how long a personal token lives, and the URLs a MUNGE
     # sign-in credential may be bound to (default: the URL the request came in on).
     personal_token_hours: float = Field(default=12.0, gt=0, le=24 * 30)
+    # How old a person's groups may be when their personal token is used: someone removed from a
+    # tenant's group loses access within this plus token_cache_s (gateway.access.members).
+    membership_ttl_s: float = Field(default=30.0, gt=0, le=3600)
     public_urls: list[str] = []
     # The portal's single sign-on (gateway.portal.oidc): the site's OpenID Connect provider. The
     # username claim is mapped to a unix user by ``oidc_user_map`` (a regex; its first group is the

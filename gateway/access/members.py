@@ -5,9 +5,10 @@ members the users whose groups (``getgrouplist``: the primary group and every su
 from local files here, from sssd/LDAP on a site, nothing to change) include G, and as admins
 those whose groups include A. Sites without groups add members one by one (``TenantMember``).
 
-A user's groups are read at sign-in and again, at most ``MEMBERSHIP_TTL_S`` old, whenever one of
-their personal tokens is used (``gateway.access.tokens.authenticate``): a user removed from G
-loses access within that bound plus the API's principal cache (2 s), well under a minute.
+A user's groups are read at sign-in and again, at most ``GROUPS.ttl_s`` old (the setting
+``membership_ttl_s``, default ``MEMBERSHIP_TTL_S``; ``create_app`` sets it), whenever one of their
+personal tokens is used (``gateway.access.tokens.authenticate``): a user removed from G loses access
+within that bound plus the API's principal cache (2 s), well under a minute by default.
 """
 
 from __future__ import annotations

@@ -220,27 +220,23 @@ def erase(path: Path) -> list[Entry]:
     file read and hashed through its checked fd before it is unlinked. The path's own components
     are opened no-follow too (a link on the way raises OSError ELOOP/ENOTDIR); EraseRefused, before
     anything is removed, when a mount point lies at or beneath it."""
-    _checked(path)
-    try:
-        parent = _open_dir(path.parent)
-    except FileNotFoundError:
-        return []
-    try:
-        return list(_walk(parent, path.name, ".", remove=True))
-    finally:
-        os.close(parent)
+    return _tree(path, remove=True)
 
 
 def survey(path: Path) -> list[Entry]:
     """What ``erase(path)`` would remove (no file opened, nothing changed; no sha256s); [] when
     ``path`` does not exist. EraseRefused as ``erase``."""
+    return _tree(path, remove=False)
+
+
+def _tree(path: Path, *, remove: bool) -> list[Entry]:
     _checked(path)
     try:
         parent = _open_dir(path.parent)
     except FileNotFoundError:
         return []
     try:
-        return list(_walk(parent, path.name, ".", remove=False))
+        return list(_walk(parent, path.name, ".", remove=remove))
     finally:
         os.close(parent)
 

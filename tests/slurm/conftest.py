@@ -49,6 +49,28 @@ def tenants(admin: TenantAdmin) -> tuple[str, str]:
     return TENANT_A, TENANT_B
 
 
+@pytest.fixture(scope="session")
+def fairshare_load(request: pytest.FixtureRequest) -> list[int] | None:
+    """Tenant A's GPU jobs for test_fairshare, submitted early in the slurm tier (``_early_load``):
+    Slurm folds usage into fairshare only every PriorityCalcPeriod (1 min), which then passes while
+    the other tests run instead of in that test. None when test_fairshare is not in this run or
+    there is no cluster (the test then submits its own)."""
+    if not any(item.path.name == "test_fairshare.py" for item in request.session.items) or _cluster_problem():
+        return None
+    admin: TenantAdmin = request.getfixturevalue("admin")
+    admin.add_tenant(TENANT_A, shares=10, qos=["ft-standard", "ft-small"])     # as `tenants` (idempotent)
+    client = SlurmClient(LocalRunner())
+    return [submit(client, TENANT_A, "sleep 5")[0] for _ in range(2)]
+
+
+@pytest.fixture(autouse=True)
+def _early_load(request: pytest.FixtureRequest) -> None:
+    """Start ``fairshare_load`` with the first slurm test after test_00_devcluster (which takes the
+    cluster down and up again)."""
+    if request.node.path.name != "test_00_devcluster.py":
+        request.getfixturevalue("fairshare_load")
+
+
 @pytest.fixture
 def calls() -> list[tuple[str, ...]]:
     return []

@@ -13,10 +13,10 @@ from tests.slurm.conftest import finished, submit, wait_for
 pytestmark = pytest.mark.slurm
 
 
-def test_sshare_ranks_light_tenant_above_heavy(client: SlurmClient,
-                                               tenants: tuple[str, str]) -> None:
+def test_sshare_ranks_light_tenant_above_heavy(client: SlurmClient, tenants: tuple[str, str],
+                                               fairshare_load: list[int] | None) -> None:
     a, b = tenants
-    ids = [submit(client, a, "sleep 5")[0] for _ in range(2)]
+    ids = fairshare_load or [submit(client, a, "sleep 5")[0] for _ in range(2)]
     for j in ids:
         wait_for(client, j, finished, 60)
     ua, ub = unix_user_for(a), unix_user_for(b)

@@ -29,6 +29,7 @@ FINETUNE = "/opt/slurm-finetune/venv/bin/finetune"
 PYTHON = "/opt/slurm-finetune/venv/bin/python"
 TAG = secrets.token_hex(3)
 GROUP = f"sftg{TAG}"
+MEMBERSHIP_TTL_S = 5.0   # this gateway's membership_ttl_s (SFT_MEMBERSHIP_TTL_S)
 ALICE, BOB, CAROL = f"sfta{TAG}", f"sftb{TAG}", f"sftc{TAG}"    # alice and bob in GROUP, carol not
 HOMES = Path("/var/tmp") / f"sft-people-{TAG}"
 
@@ -64,7 +65,8 @@ def people() -> Iterator[dict[str, Path]]:
 
 @pytest.fixture(scope="module")
 def gw(cluster: None, people: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
-    g = LiveGateway(tmp_path_factory.mktemp("signin"), (TENANT,))
+    # groups re-read at most MEMBERSHIP_TTL_S old (the default is 30 s: a test need not wait that long)
+    g = LiveGateway(tmp_path_factory.mktemp("signin"), (TENANT,), SFT_MEMBERSHIP_TTL_S=str(MEMBERSHIP_TTL_S))
     done = _admin(g, "admin", "tenant", "people", TENANT, "--group", GROUP)
     assert done.returncode == 0 and GROUP in done.stdout, done.stderr
     yield g
@@ -228,16 +230,19 @@ def _other_munged(tmp_path: Path) -> Path:
     return d
 
 
-def test_a_member_removed_from_the_group_loses_access_within_a_minute(gw: LiveGateway) -> None:
+def test_a_member_removed_from_the_group_loses_access_within_the_stated_bound(gw: LiveGateway) -> None:
+    """The bound: the gateway's membership_ttl_s plus its token cache (2 s); a minute at the defaults."""
     r = sign_in(gw, credential(BOB, gw.url))
     assert r.status_code == 200, r.text
     token = r.json()["token"]
     assert me(gw, token).status_code == 200
     _sh("gpasswd", "-d", BOB, GROUP)
     removed = time.monotonic()
+    bound = MEMBERSHIP_TTL_S + 2.0 + 3.0        # the TTL, the token cache, polls and a loaded machine
     while me(gw, token).status_code == 200:
-        assert time.monotonic() - removed < 60, "still signed in a minute after leaving the group"
-        time.sleep(0.5)
-    print(f"\n{BOB} removed from {GROUP}: access ended after {time.monotonic() - removed:.1f} s (bound 60 s)")
+        assert time.monotonic() - removed < bound, f"still signed in {bound} s after leaving the group"
+        time.sleep(0.25)
+    print(f"\n{BOB} removed from {GROUP}: access ended after {time.monotonic() - removed:.1f} s "
+          f"(membership_ttl_s {MEMBERSHIP_TTL_S:g}, bound {bound:g} s)")
     again = sign_in(gw, credential(BOB, gw.url))
     assert again.status_code == 403 and "no tenant's group" in again.json()["error"]["message"]

@@ -19,7 +19,7 @@ from gateway.access import audit
 from gateway.access.staff import tenant_audit
 from gateway.access.tokens import Principal, authenticate, create_token
 from gateway.db import erase_freed, make_engine, migrate
-from gateway.errors import Conflict, Forbidden, NotFound
+from gateway.errors import Forbidden, NotFound
 from gateway.models import (
     AccessRequest,
     ApiToken,
@@ -290,21 +290,6 @@ def test_deleting_the_rows_leaves_the_other_tenant_whole_and_no_byte_in_the_file
     assert "secure_delete" in erase_freed(engine)
     assert gone.encode() not in _db_bytes(db), "the deleted rows' bytes survive in the database file"
     assert kept.encode() in _db_bytes(db)
-
-
-def test_rows_are_not_deleted_while_a_job_is_active(engine: sa.engine.Engine) -> None:
-    with Session(engine) as s:
-        a, _ = _populate(s, "t-busy", secrets.token_hex(4))
-        job = s.exec(select(FineTuningJob).where(FineTuningJob.tenant_id == a.id)).one()
-        job.status = JobState.RUNNING.value
-        s.add(job)
-        s.commit()
-        assert a.id is not None
-        tid = a.id
-    with pytest.raises(Conflict, match="not final"):
-        td.delete_rows(engine, tid)
-    with Session(engine) as s:
-        assert s.get(Tenant, tid) is not None
 
 
 # ------------------------------------------------------------------ deletion requests
