@@ -20,7 +20,7 @@ import click
 from gateway.cli.service import broker, demo, dev_cluster, reconcile, serve
 from gateway.cli.sysadmin import admin, tenant
 from gateway.cli.tenantdelete import tenant_delete, tenant_delete_requests
-from gateway.usercli import access, artifacts, audit, files, jobs, login, staff, sweeps, tokens, webhooks
+from gateway.usercli import access, artifacts, audit, deletion, files, jobs, login, staff, sweeps, tokens, webhooks
 from gateway.usercli.models import bundle_model, list_aliases, promote_model, show_model
 
 
@@ -31,7 +31,7 @@ def main() -> None:
 
 
 for _command in (dev_cluster, admin, serve, reconcile, broker, demo,
-                 login, files, jobs, sweeps, artifacts, tokens, staff, access, audit, webhooks):
+                 login, files, jobs, sweeps, artifacts, tokens, staff, access, audit, webhooks, deletion):
     main.add_command(_command)
 for _command in (tenant_delete, tenant_delete_requests):     # deleting a tenant (gateway.cli.tenantdelete)
     tenant.add_command(_command)

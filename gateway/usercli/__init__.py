@@ -7,6 +7,7 @@ re-exported here."""
 from gateway.usercli.access import access, audit, login, staff, tokens
 from gateway.usercli.artifacts import artifacts, extract_adapter
 from gateway.usercli.client import Unreachable, call, connection, save_credentials, saved_url
+from gateway.usercli.deletion import deletion
 from gateway.usercli.files import files
 from gateway.usercli.jobs import jobs, progress_line
 from gateway.usercli.sweeps import sweeps
@@ -14,5 +15,5 @@ from gateway.usercli.webhooks import webhooks
 
 __all__ = [
     "Unreachable", "access", "artifacts", "audit", "call", "connection", "extract_adapter", "files", "jobs",
-    "login", "progress_line", "save_credentials", "saved_url", "staff", "sweeps", "tokens", "webhooks",
+    "deletion", "login", "progress_line", "save_credentials", "saved_url", "staff", "sweeps", "tokens", "webhooks",
 ]
