@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 from trainer_testlib import CANARY, Reference, Tiny, ToyData, make_spec, run_trainer, write_spec
@@ -33,6 +34,28 @@ def toy(tmp_path_factory: pytest.TempPathFactory) -> ToyData:
     train = write_jsonl(base / "train.jsonl", rows)
     val = write_jsonl(base / "val.jsonl", toy_conversations(40, seed=2))
     return ToyData(train, sha256_file(train), val, sha256_file(val))
+
+
+@pytest.fixture(scope="session")
+def measured_step(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The memory probes of test_memory_estimate_measured (its ``Probes``), once per session."""
+    from test_memory_estimate_measured import Probes  # the test module, collected already
+
+    return Probes(tiny, tmp_path_factory)
+
+
+@pytest.fixture(autouse=True)
+def _smollm2_probes_early(request: pytest.FixtureRequest) -> None:
+    """With the first train-tier test, start SmolLM2's memory probes when their test is in this run:
+    each is one thread measuring its own memory, so they run on the core the one-thread tests before
+    theirs leave idle (about 2 minutes less for the tier on 2 cores), instead of after them."""
+    if "train" not in request.keywords or not any(
+            item.path.name == "test_memory_estimate_measured.py" for item in request.session.items):
+        return
+    from test_memory_estimate_measured import _smollm2
+
+    if _smollm2() is not None:
+        request.getfixturevalue("measured_step").start("smollm2")
 
 
 @pytest.fixture(scope="session")

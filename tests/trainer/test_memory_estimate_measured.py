@@ -32,7 +32,6 @@ SYSTEM_CATALOG = Path("/srv/slurm-finetune/models")
 BOUND = 0.25
 EXAMPLES = 60          # the size of the job that was killed (60 short preference pairs, defaults)
 STEP_LIMIT_MIB = 1536  # the step on top of setup; 09dac64 added 5.5 GB for DPO and 4.2 GB for SFT
-Probe = Callable[[str, str], dict[str, Any]]
 
 
 def _allocator() -> dict[str, str]:
@@ -98,32 +97,37 @@ def _model(tiny: Tiny, model: str) -> tuple[Path, str, str]:
     return found
 
 
-@pytest.fixture(scope="session")
-def measured_step(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> Probe:
-    """``(model, method)`` -> the probe's measurement of that step, each run once per session: the
-    estimate's test and the DPO-vs-supervised test read the same SmolLM2 runs."""
-    runs: dict[tuple[str, str], Callable[[], dict[str, Any]]] = {}
-    done: dict[tuple[str, str], dict[str, Any]] = {}
+class Probes:
+    """``(model, method)`` -> the probe's measurement of that step, each run once per session (the
+    ``measured_step`` fixture, tests/trainer/conftest.py): the estimate's test and the DPO-vs-supervised
+    test read the same SmolLM2 runs. A model's two methods start together: each probe is one thread
+    (OMP_NUM_THREADS=1) and measures its own process's memory, whatever the pace, so they may run beside
+    other tests (conftest starts SmolLM2's with the train tier's first test, on the core that the
+    one-thread tests leave idle)."""
 
-    def measure(model: str, method: str) -> dict[str, Any]:
-        if (model, method) not in runs:
-            root, name, digest = _model(tiny, model)
-            # a model's two methods start together: each probe is one thread (OMP_NUM_THREADS=1) and
-            # measures its own process, so on two cores the pair takes the time of the longer one
-            for m in ("supervised", "dpo"):
-                if (model, m) not in runs:
-                    runs[model, m] = _start_probe(root, name, digest, m, tmp_path_factory.mktemp(f"{model}-{m}"))
-        if (model, method) not in done:
-            done[model, method] = runs[model, method]()
-        return done[model, method]
+    def __init__(self, tiny: Tiny, tmp: pytest.TempPathFactory) -> None:
+        self.tiny, self.tmp = tiny, tmp
+        self.runs: dict[tuple[str, str], Callable[[], dict[str, Any]]] = {}
+        self.done: dict[tuple[str, str], dict[str, Any]] = {}
 
-    return measure
+    def start(self, model: str) -> None:
+        """Start ``model``'s supervised and DPO probes (once); pytest.skip when SmolLM2 is not registered."""
+        root, name, digest = _model(self.tiny, model)
+        for m in ("supervised", "dpo"):
+            if (model, m) not in self.runs:
+                self.runs[model, m] = _start_probe(root, name, digest, m, self.tmp.mktemp(f"{model}-{m}"))
+
+    def __call__(self, model: str, method: str) -> dict[str, Any]:
+        self.start(model)
+        if (model, method) not in self.done:
+            self.done[model, method] = self.runs[model, method]()
+        return self.done[model, method]
 
 
 @pytest.mark.parametrize("method", ["supervised", "dpo"])
 @pytest.mark.parametrize("model", ["tiny", "smollm2"])
 def test_estimate_within_25_percent_of_the_measured_step_peak(tiny: Tiny, model: str, method: str,
-                                                              measured_step: Probe) -> None:
+                                                              measured_step: Probes) -> None:
     from trainer.catalog import model_dir
     from trainer.memory import CPU_RUNTIME_BYTES, MIB, estimate, read_shape
 
@@ -140,7 +144,7 @@ def test_estimate_within_25_percent_of_the_measured_step_peak(tiny: Tiny, model:
     assert abs(measured["runtime"] * MIB - CPU_RUNTIME_BYTES) <= BOUND * CPU_RUNTIME_BYTES, measured
 
 
-def test_smollm2_dpo_step_costs_no_more_per_token_than_the_supervised_step(measured_step: Probe) -> None:
+def test_smollm2_dpo_step_costs_no_more_per_token_than_the_supervised_step(measured_step: Probes) -> None:
     sft = measured_step("smollm2", "supervised")
     dpo = measured_step("smollm2", "dpo")
     ratio = dpo["step_growth"] / sft["step_growth"]
