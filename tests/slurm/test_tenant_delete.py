@@ -156,6 +156,7 @@ def _run(gw: LiveGateway, work: Path, canary: str, since: float) -> None:
     print("\nreceipt:", receipt.read_text())
     assert out["sha256"] == hashlib.sha256(receipt.read_bytes()).hexdigest()
     assert receipt.stat().st_mode & 0o777 == 0o600 and receipt.stat().st_uid == 0
+    assert canary not in receipt.read_text(), "the receipt names what went, never its content"
     r = out["receipt"]
     kinds = r["storage"]["kinds"]
     for kind in ("datasets", "checkpoints", "logs", "results"):
