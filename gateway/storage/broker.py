@@ -378,7 +378,7 @@ def peer_uid(conn: socket.socket) -> int:
 
 
 def serve(socket_path: Path, allowed_uids: set[int]) -> None:
-    """Accept forever; one forked child per connection (this loop stays single-threaded), each killed
+    """Accept until SIGTERM; one forked child per connection (this loop stays single-threaded), each killed
     when it overruns its request's deadline or is stopped (``Children``)."""
     if os.geteuid() != 0:
         sys.exit("storage broker: must run as root (it switches to each tenant's uid per request)")
@@ -387,8 +387,12 @@ def serve(socket_path: Path, allowed_uids: set[int]) -> None:
         socket_path.unlink()
     except FileNotFoundError:
         pass
-    # SIGTERM stops it cleanly, whatever the starting process had blocked or set (both are inherited)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # SIGTERM stops it cleanly, whatever the starting process had blocked or set (both are inherited).
+    # The handler only records it (the wakeup fd below wakes the loop, which then returns): an
+    # exception raised from a handler is swallowed where it lands in a callback, such as logging's
+    # at-fork lock release around os.fork(), and the broker would run on until SIGKILLed
+    stop: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, _frame: stop.append(signum))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGCHLD, signal.SIGINT})
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)
@@ -410,11 +414,13 @@ def serve(socket_path: Path, allowed_uids: set[int]) -> None:
     children = Children()
     report_r, report_w = os.pipe()
     os.set_blocking(report_r, False)
-    while True:
+    while not stop:
         children.police()
         ready, _, _ = select.select([srv.fileno(), report_r, wake_r], [], [], children.wait_s())
         if wake_r in ready:
             os.read(wake_r, 4096)
+        if stop:
+            break
         if report_r in ready:
             children.read_reports(report_r)
         if srv.fileno() not in ready:
@@ -445,6 +451,7 @@ def serve(socket_path: Path, allowed_uids: set[int]) -> None:
             pass
         finally:
             conn.close()
+    print("storage broker: SIGTERM: stopped", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
