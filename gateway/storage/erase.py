@@ -14,7 +14,7 @@ nothing (a dry run: no file is opened). The walk:
   are refused before anything is removed (tenants cannot mount; a mount there is an admin's);
 - keeps going when an entry vanishes under it (the epilog may be clearing the same place).
 
-It runs as root, in the admin CLI, after the tenant's jobs and processes are gone. Stdlib only.
+It runs as root, in the admin CLI, after the tenant's jobs and processes are gone.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from gateway.storage import safefs
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
@@ -278,27 +280,12 @@ def processes_of(uid: int, proc: Path = Path("/proc")) -> list[int]:
 
 
 def write_private(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temp name beside it, fsync, rename, fsync the dir),
-    mode 0600; its directory is made 0700 when missing. A link at the final name is replaced, never
-    followed."""
+    """Write ``data`` to ``path`` atomically (``safefs.write_atomic``: temp name beside it, fsync,
+    rename, fsync the dir), mode 0600; its directory is made 0700 when missing. A link at the final
+    name is replaced, never followed."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     dfd = os.open(path.parent, DIR_FLAGS)
     try:
-        tmp = f".{path.name}.{os.getpid()}.tmp"
-        try:
-            os.unlink(tmp, dir_fd=dfd)
-        except FileNotFoundError:
-            pass
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
-        try:
-            os.fchmod(fd, 0o600)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
-        os.fsync(dfd)
+        safefs.write_atomic(dfd, path.name, data, mode=0o600)
     finally:
         os.close(dfd)
