@@ -95,6 +95,12 @@ class Settings(BaseSettings):
     # SFT_TEST_* (the trainer's test-only fault injection reads them: trainer.jobenv.test_fault_step). The
     # job spec carries no such thing, so no tenant's request can set one.
     test_job_env: dict[str, str] = {}
+    # For capacity simulations only (bench/capacity.py, the dev cluster's simulated nodes), never on a
+    # site that trains: when set, every job runs ``trainer.simulate`` instead of the trainer. It does no
+    # ML: it sleeps for the time the job's tokens would take at its simulated speed divided by this
+    # speed-up, and writes events, checkpoints and results as the trainer does. A site setting, so no
+    # tenant's request can choose it.
+    simulate_trainer_speedup: float | None = Field(default=None, gt=0)
     # webhooks: receivers on loopback, link-local or private addresses only when their host is listed here
     webhook_allowed_hosts: list[str] = []
     webhook_timeout_s: float = 5.0

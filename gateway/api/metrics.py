@@ -67,6 +67,11 @@ class StateCollector(Collector):
         yield CounterMetricFamily("sft_reconcile_seconds", "Seconds spent in reconcile cycles", value=stats.seconds)
         yield GaugeMetricFamily("sft_reconcile_last_cycle_seconds", "The last reconcile cycle's seconds",
                                 value=stats.last_seconds)
+        recent = GaugeMetricFamily("sft_reconcile_cycle_seconds_quantile", "Quantiles of the latest reconcile "
+                                   "cycles' seconds (at most 4096 cycles)", labels=["quantile"])
+        for q, v in stats.quantiles().items():
+            recent.add_metric([f"{q:g}"], v)
+        yield recent
         missed = CounterMetricFamily(
             "sft_reconcile_storage_missed", "Tenants' storage calls that gave a reconcile cycle no answer, by "
             "verb and outcome: error, late (the cycle stopped waiting; the tenant is read later), skipped (not "

@@ -19,7 +19,7 @@ import click
 
 from gateway.cli.privsep import become_service_user
 from gateway.config import Settings, get_settings
-from gateway.devcluster.cluster import DevCluster
+from gateway.devcluster.cluster import DevCluster, DevClusterConfig, short_hostname
 from gateway.errors import friendly_errors
 from gateway.slurm.local import banner, prepare
 from gateway.storage.broker import main as broker_main
@@ -33,10 +33,15 @@ def dev_cluster() -> None:
 
 
 @dev_cluster.command("up")
+@click.option("--sim-nodes", type=click.IntRange(0, 200), default=0, show_default=True,
+              help="Also run this many simulated nodes (partition 'sim', fake GPUs as the real nodes') "
+                   "for capacity runs (bench/capacity.py); 0 removes them.")
+@click.option("--sim-gpus-per-node", type=click.IntRange(1, 16), default=8, show_default=True)
 @friendly_errors
-def dev_cluster_up() -> None:
+def dev_cluster_up(sim_nodes: int, sim_gpus_per_node: int) -> None:
     """Install what is missing, render configs, start the daemons, apply QOS tiers."""
-    dc = DevCluster(echo=click.echo)
+    cfg = DevClusterConfig(host=short_hostname(), sim_nodes=sim_nodes, sim_gpus_per_node=sim_gpus_per_node)
+    dc = DevCluster(cfg, echo=click.echo)
     seconds = dc.up()
     click.echo(f"dev cluster up in {seconds:.1f}s: nodes {dc.node_states()}")
 

@@ -66,10 +66,25 @@ class DevClusterConfig:
     db_user: str = "slurm"
     service_user: str = "sft-gateway"     # the gateway's unix user: made a Slurm Operator
     node_names: tuple[str, ...] = field(default=())
+    # A simulated cluster beside the two real nodes, for capacity runs (bench/capacity.py): this many more
+    # slurmd on this host, each with ``sim_gpus_per_node`` fake GPUs (device files as the real nodes'), in a
+    # partition of their own (never the default one), with the same prolog, epilog, QOS and fairshare.
+    # Only a gateway whose ``simulate_trainer_speedup`` is set should send jobs there (nothing trains).
+    sim_nodes: int = 0
+    sim_gpus_per_node: int = 8
+    sim_partition: str = "sim"
 
     def names(self) -> tuple[str, ...]:
         """The slurmd node names: ``node_names`` when set, else ``<host>-n1`` ... ``<host>-n<nodes>``."""
         return self.node_names or tuple(f"{self.host}-n{i + 1}" for i in range(self.nodes))
+
+    def sim_names(self) -> tuple[str, ...]:
+        """The simulated nodes' names: ``<host>-s1`` ... ``<host>-s<sim_nodes>``."""
+        return tuple(f"{self.host}-s{i + 1}" for i in range(self.sim_nodes))
+
+    def all_names(self) -> tuple[str, ...]:
+        """Every slurmd this host runs: the real nodes, then the simulated ones."""
+        return self.names() + self.sim_names()
 
     @property
     def pid_file(self) -> Path:
@@ -113,7 +128,21 @@ def render_configs(cfg: DevClusterConfig, db_pass: str) -> dict[str, str]:
     gres_lines = "\n".join(
         f"NodeName={n} Name=gpu File=/dev/nvidia[{i * g}-{i * g + g - 1}]"
         for i, n in enumerate(names))
-    job_container_lines = "\n".join(f"NodeName={n} BasePath={cfg.job_tmp_root / n}" for n in names)
+    sims = cfg.sim_names()
+    sg = cfg.sim_gpus_per_node
+    if sims:     # memory for sg ranks of the gateway's default job_mem_mb (8 GiB), claimed, not checked
+        node_lines += "\n" + "\n".join(
+            f"NodeName={n} NodeHostname={cfg.host} NodeAddr=127.0.0.1 "
+            f"Port={cfg.node_port_base + len(names) + i} CPUs={2 * sg} "
+            f"RealMemory={sg * 8192 + 1024} Gres=gpu:{sg} State=UNKNOWN"
+            for i, n in enumerate(sims))
+        base = len(names) * g            # fake device files after the real nodes' (Slurm counts no GPU without one)
+        gres_lines += "\n" + "\n".join(
+            f"NodeName={n} Name=gpu File=/dev/nvidia[{base + i * sg}-{base + i * sg + sg - 1}]"
+            for i, n in enumerate(sims))
+    sim_partition = (f"PartitionName={cfg.sim_partition} Nodes={','.join(sims)} Default=NO "
+                     f"MaxTime=INFINITE State=UP\n") if sims else ""
+    job_container_lines = "\n".join(f"NodeName={n} BasePath={cfg.job_tmp_root / n}" for n in names + sims)
     common = {
         "job_container_lines": job_container_lines,
         "cluster": cfg.cluster, "host": cfg.host, "ctld_port": cfg.ctld_port,
@@ -121,7 +150,7 @@ def render_configs(cfg: DevClusterConfig, db_pass: str) -> dict[str, str]:
         "log_dir": cfg.log_dir, "prolog": cfg.libexec / "prolog.sh",
         "epilog": cfg.libexec / "epilog.sh", "task_prolog": cfg.libexec / "task_prolog.sh",
         "nodes": node_lines,
-        "node_list": ",".join(names), "gres_lines": gres_lines,
+        "node_list": ",".join(names), "gres_lines": gres_lines, "sim_partition": sim_partition,
         "db_user": cfg.db_user, "db_pass": db_pass, "db_name": cfg.db_name,
     }
     return {
@@ -238,9 +267,10 @@ class DevCluster:
         self._ensure_cluster_registered()
         self._spawn("slurmctld", ["slurmctld", "-D"], pids)
         self._wait("slurmctld", lambda: self._ok(["scontrol", "ping"]), 30)
-        for n in self.cfg.names():
+        for n in self.cfg.all_names():
             self._spawn(f"slurmd-{n}", ["slurmd", "-D", "-N", n], pids)
-        self._wait("nodes", self._nodes_usable, 60)
+        self._stop([k for k in self._pids() if k.startswith("slurmd-") and k[7:] not in self.cfg.all_names()])
+        self._wait("nodes", self._nodes_usable, 60 + 2 * len(self.cfg.sim_names()))
         admin = Admin(self.runner)
         admin.apply_qos(load_policy())
         # PrivateData hides other users' jobs and usage: the gateway must still see and act on all of them.
@@ -363,8 +393,9 @@ class DevCluster:
         return changed
 
     def make_fake_gpus(self) -> None:
-        """Create /dev/nvidia0..N-1 (char devices 195:i, mode 0666) for the nodes' fake GPUs."""
-        for i in range(self.cfg.nodes * self.cfg.gpus_per_node):
+        """Create /dev/nvidia0..N-1 (char devices 195:i, mode 0666) for the nodes' fake GPUs (the
+        simulated nodes' included: Slurm 22.05 counts no GPU that gres.conf gives no file)."""
+        for i in range(self.cfg.nodes * self.cfg.gpus_per_node + self.cfg.sim_nodes * self.cfg.sim_gpus_per_node):
             dev = Path(f"/dev/nvidia{i}")
             if not dev.exists():
                 os.mknod(dev, 0o666 | stat.S_IFCHR, os.makedev(195, i))
@@ -428,7 +459,7 @@ class DevCluster:
 
     def _nodes_usable(self) -> bool:
         states = self.node_states()
-        names = self.cfg.names()
+        names = self.cfg.all_names()
         if set(states) != set(names):
             return False
         stuck = [n for n, s in states.items() if s.rstrip("*") in ("down", "drained", "draining",

@@ -23,6 +23,9 @@ def confirm_cleanups(s: Session, settings: Settings) -> None:
     for job in list(s.exec(select(FineTuningJob).where(FineTuningJob.cleanup == Cleanup.PENDING))):
         if settings.local:       # no nodes, no scrubber: nothing will ever confirm a cleanup
             _set_cleanup(s, job, Cleanup.OFF, "No node cleanup in local mode (no scrubber runs)", "warn")
+        elif not (job.progress or {}).get("node") and job.started_at is None:
+            # ended before any node was named (an older gateway set such rows pending): no epilog reports
+            _set_cleanup(s, job, None, "No node cleanup: the job never ran on a node", "info")
         elif (ok := epilog_ok(settings, job)) is not None:
             if ok:
                 _set_cleanup(s, job, Cleanup.CONFIRMED, "Node cleanup confirmed by the epilog", "info")
@@ -56,7 +59,7 @@ def epilog_ok(settings: Settings, job: FineTuningJob) -> bool | None:
     return None if None in verdicts else True
 
 
-def _set_cleanup(s: Session, job: FineTuningJob, cleanup: str, message: str, level: str) -> None:
+def _set_cleanup(s: Session, job: FineTuningJob, cleanup: str | None, message: str, level: str) -> None:
     try:
         update_fields(s, job, cleanup=cleanup)
         add_event(s, job.id, message, level=level)

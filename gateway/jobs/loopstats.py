@@ -3,7 +3,13 @@ the loop's since start (``LoopStats``), which /metrics reports (``gateway.api.me
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from dataclasses import dataclass, field
+
+RECENT_CYCLES = 4096
+"""How many of the latest cycles' seconds the loop keeps for its quantiles (at the default 2 s
+interval, over two hours)."""
 
 
 @dataclass
@@ -27,11 +33,21 @@ class LoopStats:
     last_seconds: float = 0.0
     failed: dict[str, int] = field(default_factory=dict)
     storage_missed: dict[tuple[str, str], int] = field(default_factory=dict)
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_CYCLES))
 
     def observe(self, seconds: float, failed: str | None = None) -> None:
         """Count one cycle of ``seconds`` (``failed``: why it failed, "slurm", "lease" or "internal")."""
         self.cycles += 1
         self.seconds += seconds
         self.last_seconds = seconds
+        self.recent.append(seconds)
         if failed:
             self.failed[failed] = self.failed.get(failed, 0) + 1
+
+    def quantiles(self, qs: tuple[float, ...] = (0.5, 0.9, 0.99)) -> dict[float, float]:
+        """Each q-quantile (nearest rank) of the latest cycles' seconds; {} before the first cycle."""
+        values = sorted(self.recent)
+        if not values:
+            return {}
+        n = len(values)
+        return {q: values[min(n - 1, max(0, math.ceil(round(q * n, 6)) - 1))] for q in qs}

@@ -218,7 +218,7 @@ class Reconciler:
             self.start_pause(job.slurm_job_id, tenant.name)
         elif d.action is Action.CANCELLED:
             apply_event(s, job, Event.STOPPED, message="Job cancelled: Slurm confirms no process is left",
-                        stop_confirmed_at=utcnow(), finished_at=utcnow(), cleanup=Cleanup.PENDING)
+                        stop_confirmed_at=utcnow(), finished_at=utcnow(), cleanup=_cleanup_after(job))
         elif d.action is Action.PUBLISH:
             self._publish(s, job, tenant)
         elif d.action is Action.START:
@@ -235,7 +235,7 @@ class Reconciler:
             apply_event(s, job, Event.ERROR, level="error", message=f"Job failed: {d.message}",
                         error={"code": d.reason.value, "message": d.message, "param": None,
                                "reason": d.reason.value},
-                        finished_at=utcnow(), stop_confirmed_at=utcnow(), cleanup=Cleanup.PENDING)
+                        finished_at=utcnow(), stop_confirmed_at=utcnow(), cleanup=_cleanup_after(job))
         elif d.action is Action.NOTHING and state is JobState.RUNNING and st.state == SlurmState.RUNNING:
             watch_running(s, job, st, settings=self.settings, limits=self.limits, counts=self.detector_counts,
                           client=self.client, owner=self.owner(tenant.name))
@@ -277,3 +277,10 @@ class Reconciler:
     def release(self, slurm_id: int | None, tenant: str) -> None:
         """Release ``tenant``'s Slurm job's hold now; SlurmError when Slurm refuses (``Workers.release``)."""
         self.workers.release(slurm_id, tenant)
+
+
+def _cleanup_after(job: FineTuningJob) -> Cleanup | None:
+    """The cleanup a job that ended unpublished waits for: its nodes' epilog reports when it ran on
+    nodes (Slurm's queue or accounting named them), none when it never did (cancelled or failed
+    while pending: no epilog will ever report, so ``pending`` would never settle)."""
+    return Cleanup.PENDING if (job.progress or {}).get("node") else None

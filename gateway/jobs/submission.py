@@ -49,6 +49,15 @@ def pick_qos(allowed: tuple[str, ...], minutes: int, gpus: int = 1) -> str:
     return fits_gpus[0]
 
 
+def trainer_command(settings: Settings, spec_path: object) -> tuple[str, ...]:
+    """What a job runs: the trainer on its spec, or, where the site simulates
+    (``simulate_trainer_speedup``), ``trainer.simulate`` at that speed-up."""
+    if settings.simulate_trainer_speedup:
+        return (str(settings.runtime_python), "-m", "trainer.simulate", str(spec_path),
+                "--speedup", f"{settings.simulate_trainer_speedup:g}")
+    return (str(settings.runtime_python), "-m", "trainer", "run", str(spec_path))
+
+
 class Submitter:
     """``submit(job, spec, tenant) -> (slurm job id, qos)``; raises SlurmError with Slurm's text."""
 
@@ -95,7 +104,7 @@ class Submitter:
             else store.absolute(layout.job_file(job.id, jobdir.SPEC))   # a dry run (estimate) writes nothing
         return JobScript(
             job_name=job.id, account=tenant, qos=qos, job_dir=spec.job_dir,
-            command=(str(self.settings.runtime_python), "-m", "trainer", "run", str(spec_path)),
+            command=trainer_command(self.settings, spec_path),
             gpus=job.gpus // job.nodes, nodes=job.nodes, cpus=self.settings.job_cpus,
             mem_mb=self.settings.job_mem_mb * (job.gpus // job.nodes),
             time_limit_min=job.time_limit_min or 60, grace_s=self.settings.signal_grace_s,

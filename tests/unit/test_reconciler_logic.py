@@ -432,3 +432,22 @@ def test_one_jobs_unreadable_record_fails_that_job_only(env: Any) -> None:
     stats = Reconciler(engine, settings, client).cycle()
     assert not stats.errors
     assert [_status(engine, jid).status for jid, _ in ids] == ["failed", "running", "failed"]
+
+
+def test_a_job_cancelled_while_queued_waits_for_no_cleanup(env: Any) -> None:
+    """No node ever ran it, so no epilog will ever report: its cleanup is none, not ``pending`` for ever
+    (the capacity run found such rows, and every cycle read them again). A row an older gateway left
+    pending without a node is settled the same way."""
+    engine, settings, fake, client = env
+    sid = client.submit(JobScript("x", "acme", "q", "/srv/x", ("true",)), user="sft-acme")
+    jid = _job(engine, status="cancelling", slurm_job_id=sid)
+    fake.finish(sid, "CANCELLED", "0:0")
+    fake.age_out(sid)
+    old = _job(engine, status="cancelled", slurm_job_id=None, cleanup="pending")
+    Reconciler(engine, settings, client).cycle()
+    job = _status(engine, jid)
+    assert job.status == "cancelled" and job.cleanup is None
+    assert _status(engine, old).cleanup is None
+    with Session(engine) as s:
+        assert "No node cleanup: the job never ran on a node" in [
+            e.message for e in s.exec(select(JobEvent).where(JobEvent.job_id == old))]
