@@ -263,7 +263,8 @@ class Outcome:
     """What happened to one planned job in one run."""
 
     key: str
-    issued: float                    # wall time the submission was made
+    issued: float                    # when the plan submits it (t0 + its time): waits count from here
+    submit_s: float | None = None    # how long the submission took (the API's create, or sbatch)
     slurm_ids: list[int] = field(default_factory=list)
     status: str | None = None        # ours: the API's final status; peer: sacct's state
     error: str | None = None
@@ -312,6 +313,7 @@ def figures(plan: Plan, r: RunResult) -> dict[str, Any]:
             waits[TENANTS[jobs[k].tenant][0] if jobs[k].nodes == 1 else "gang-jobs"].append(
                 max(0.0, start_of[k] - o.issued))
     makespan = last_end - r.t0
+    subs = [o.submit_s for o in r.outcomes.values() if o.submit_s is not None]
     gang_pending = [(r.outcomes[k].issued, start_of.get(k, last_end)) for k in jobs if k.startswith("gang")
                     and k in r.outcomes]
     behind = [max(0.0, start_of[k] - r.outcomes[k].issued) for k, j in jobs.items() if j.gpus == 1 and k in start_of
@@ -325,6 +327,7 @@ def figures(plan: Plan, r: RunResult) -> dict[str, Any]:
         "makespan_s": round(makespan, 1),
         "wait_s": {c: {"p50": round(pct(v, 0.5), 1), "p95": round(pct(v, 0.95), 1), "n": len(v)}
                    for c, v in sorted(waits.items())},
+        "submit_s": {"p50": round(pct(subs, 0.5), 3), "p99": round(pct(subs, 0.99), 3)},
         "small_behind_gang_wait_s": {"p50": round(pct(behind, 0.5), 1), "p95": round(pct(behind, 0.95), 1),
                                      "n": len(behind)},
         "fairness": fairness(plan, r, runs, start_of),
@@ -610,13 +613,15 @@ def day_ours(plan: Plan, workdir: Path, *, db_url: str | None = None, gateways: 
         lock = threading.Lock()
 
         def create(j: PlannedJob) -> None:
-            o = Outcome(j.key, time.time())
+            o = Outcome(j.key, t0 + j.t)
+            sent = time.time()
             try:
                 job = clients[j.tenant].fine_tuning.jobs.create(
                     model=MODEL, training_file=files[j.tenant], suffix=j.key,
                     hyperparameters={"n_epochs": epochs_for(j, size, speedup), "batch_size_tokens": STEP_TOKENS,
                                      "max_seq_len": 256},
                     extra_body={"resources": {"gpus": j.gpus, "nodes": j.nodes}})
+                o.submit_s = time.time() - sent
                 with lock:
                     ids[j.key] = job.id
                     known[j.tenant].append(job.id)
@@ -654,10 +659,11 @@ def day_ours(plan: Plan, workdir: Path, *, db_url: str | None = None, gateways: 
                 FineTuningJob.id.in_(list(ids.values())))).all()}   # type: ignore[attr-defined]
             lag = ingestion_lags(s, rows)
         by_key = {k: rows[v] for k, v in ids.items() if v in rows}
+        named = slurm_ids_by_name(t0)
         for k, row in by_key.items():
             o = outcomes[k]
             o.status, o.cleanup = row.status, row.cleanup
-            o.slurm_ids = slurm_ids_named(row.id) or ([row.slurm_job_id] if row.slurm_job_id else [])
+            o.slurm_ids = named.get(row.id) or ([row.slurm_job_id] if row.slurm_job_id else [])
         acct = sacct(sorted({i for o in outcomes.values() for i in o.slurm_ids}))
         extra = {"cycle_s": cycle_quantiles(metrics), "ingest_lag_s": lag,
                  "cancel_to_free_s": cancel_to_free(outcomes, acct),
@@ -675,36 +681,44 @@ def day_ours(plan: Plan, workdir: Path, *, db_url: str | None = None, gateways: 
 
 
 def _drive(plan: Plan, t0: float, create: Any, cancel: Any, echo: Any) -> None:
-    """Submit, cancel and lose a node at the plan's times (offsets from ``t0``), creates on 8 threads."""
+    """Submit, cancel and lose a node at the plan's times (offsets from ``t0``). Each tenant is a user
+    of its own: its submissions and cancels go through a pool of its own (4 at a time), so no tenant's
+    burst queues another's requests in the bench itself."""
     events: list[tuple[float, int, Any]] = [(j.t, 1, (create, j)) for j in plan.jobs]
     events += [(j.t + j.cancel_after, 2, (cancel, j)) for j in plan.jobs if j.cancel_after is not None]
     if plan.node_loss:
         node, down, up = plan.node_loss
         events += [(down, 0, (set_node, node, "down")), (up, 0, (set_node, node, "resume"))]
     events.sort(key=lambda e: (e[0], e[1]))
-    pool = ThreadPoolExecutor(8)
+    pools = {t: ThreadPoolExecutor(4) for t in TENANTS}
     last_echo = 0.0
     for at, kind, (fn, *args) in events:
         delay = t0 + at - time.time()
         if delay > 0:
             time.sleep(delay)
-        if kind == 1:
-            pool.submit(fn, *args)
+        if kind:
+            pools[args[0].tenant].submit(fn, *args)
         else:
-            if kind == 2:
-                time.sleep(0)     # cancels run inline: their job's create went first
             fn(*args)
         if time.time() - last_echo > max(10.0, plan.day_s / 20):
             last_echo = time.time()
             echo(f"  t={time.time() - t0:6.0f}s of {plan.day_s:.0f}s")
-    pool.shutdown(wait=True)
+    for pool in pools.values():
+        pool.shutdown(wait=True)
 
 
-def slurm_ids_named(name: str) -> list[int]:
-    """Every Slurm job named ``name`` (the gateway names each job's Slurm job after it): a second one
-    is a duplicate submission."""
-    out = run(["sacct", "-X", "-D", "-P", "-n", "--name", name, "-S", "now-2days", "--format=JobIDRaw"]).stdout
-    return sorted({int(x) for x in out.split() if x.isdigit()})
+def slurm_ids_by_name(since: float) -> dict[str, list[int]]:
+    """Every Slurm job on the simulated partition since ``since``, by job name (the gateway names each
+    job's Slurm job after it: a second id under one name is a duplicate submission)."""
+    start = datetime.fromtimestamp(since - 60).strftime("%Y-%m-%dT%H:%M:%S")
+    out = run(["sacct", "-X", "-D", "-P", "-n", "-a", "-r", PARTITION, "-S", start,
+               "--format=JobIDRaw,JobName"]).stdout
+    named: dict[str, set[int]] = defaultdict(set)
+    for line in out.splitlines():
+        jid, _, name = line.partition("|")
+        if jid.isdigit():
+            named[name].add(int(jid))
+    return {name: sorted(ids) for name, ids in named.items()}
 
 
 def cycle_quantiles(metrics: str) -> dict[str, float]:
@@ -820,9 +834,11 @@ def day_peer(plan: Plan, workdir: Path, ours: RunResult, *, speedup: float, drai
     lock = threading.Lock()
 
     def submit(p: PlannedJob) -> None:
-        o = Outcome(p.key, time.time())
+        o = Outcome(p.key, t0 + p.t)
+        sent = time.time()
         res = run(["runuser", "-u", unix_user_for(p.tenant), "--", "sbatch", "--parsable", "--export=NONE"],
                   input=scripts[p.key], cwd="/")
+        o.submit_s = time.time() - sent
         if res.returncode == 0 and res.stdout.strip().split(";")[0].isdigit():
             o.slurm_ids = [int(res.stdout.strip().split(";")[0])]
         else:
@@ -953,7 +969,9 @@ def report(results: dict[str, list[dict[str, Any]]]) -> None:
             ("fairness min, waiting gangs left out", ("fairness", "min_single_node"))]
     for cls in ("heavy", "medium", "light", "gang", "gang-jobs"):
         rows += [(f"wait p50 s ({cls})", ("wait_s", cls, "p50")), (f"wait p95 s ({cls})", ("wait_s", cls, "p95"))]
-    rows += [("wait p95 s (1-GPU jobs queued while a gang waited)", ("small_behind_gang_wait_s", "p95"))]
+    rows += [("wait p95 s (1-GPU jobs queued while a gang waited)", ("small_behind_gang_wait_s", "p95")),
+             ("submission p50 s (API create / sbatch)", ("submit_s", "p50")),
+             ("submission p99 s (API create / sbatch)", ("submit_s", "p99"))]
     head = f"median of {len(ours)} / {len(peer)} runs"
     print(f"\n{head:58} {'ours':>10} {'peer':>10} {'ratio':>7}")
     summary: dict[str, Any] = {}

@@ -27,3 +27,18 @@ def test_required_settings() -> None:
         assert line in slurm.splitlines()
     cgroup = render_configs(DevClusterConfig(host="h"), "pw")["cgroup.conf"]
     assert "ConstrainDevices=yes" in cgroup and "ConstrainRAMSpace=yes" in cgroup
+
+
+def test_simulated_nodes_get_a_partition_of_their_own_and_fake_gpus_after_the_real_ones() -> None:
+    plain = render_configs(DevClusterConfig(host="h"), "pw")
+    confs = render_configs(DevClusterConfig(host="h", sim_nodes=3, sim_gpus_per_node=8), "pw")
+    slurm, gres = confs["slurm.conf"], confs["gres.conf"]
+    assert "PartitionName=gpu Nodes=h-n1,h-n2 Default=YES MaxTime=INFINITE State=UP" in slurm.splitlines()
+    assert "PartitionName=sim Nodes=h-s1,h-s2,h-s3 Default=NO MaxTime=INFINITE State=UP" in slurm.splitlines()
+    assert "NodeName=h-s3 NodeHostname=h NodeAddr=127.0.0.1 Port=17005 CPUs=16 RealMemory=66560 Gres=gpu:8" \
+        " State=UNKNOWN" in slurm
+    assert "NodeName=h-s1 Name=gpu File=/dev/nvidia[8-15]" in gres       # after the real nodes' 0-7
+    assert "NodeName=h-s3 Name=gpu File=/dev/nvidia[24-31]" in gres
+    assert "NodeName=h-s2 BasePath=/var/lib/slurm-finetune/jobtmp/h-s2" in confs["job_container.conf"]
+    assert "sim" not in plain["slurm.conf"] and "h-s1" not in plain["gres.conf"]   # none unless asked
+    assert DevClusterConfig(host="h", sim_nodes=2).all_names() == ("h-n1", "h-n2", "h-s1", "h-s2")

@@ -451,3 +451,16 @@ def test_a_job_cancelled_while_queued_waits_for_no_cleanup(env: Any) -> None:
     with Session(engine) as s:
         assert "No node cleanup: the job never ran on a node" in [
             e.message for e in s.exec(select(JobEvent).where(JobEvent.job_id == old))]
+
+
+def test_cycle_quantiles_are_nearest_rank_over_the_latest_cycles() -> None:
+    from gateway.jobs.loopstats import RECENT_CYCLES, LoopStats
+
+    stats = LoopStats()
+    assert stats.quantiles() == {}
+    for i in range(1, 101):
+        stats.observe(i / 100)
+    assert stats.quantiles() == {0.5: 0.5, 0.9: 0.9, 0.99: 0.99}
+    for _ in range(RECENT_CYCLES):
+        stats.observe(2.0)          # the oldest fall out
+    assert stats.quantiles() == {0.5: 2.0, 0.9: 2.0, 0.99: 2.0} and stats.cycles == 100 + RECENT_CYCLES
