@@ -450,24 +450,9 @@ class Gateways:
 
 
 def _tree_cpu(pid: int) -> float:
-    """utime + stime + reaped children's of ``pid`` and its live descendants."""
-    tck = os.sysconf("SC_CLK_TCK")
-    parent: dict[int, int] = {}
-    cpu: dict[int, float] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                f = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            parent[int(d.name)] = int(f[1])
-            cpu[int(d.name)] = sum(int(x) for x in f[11:15]) / tck
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        total += cpu.get(p, 0.0)
-        todo += [c for c, pp in parent.items() if pp == p]
-    return total
+    from bench.gateway import tree_cpu_s
+
+    return tree_cpu_s(pid, reaped=True)
 
 
 def broker_cpu_s() -> float:

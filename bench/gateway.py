@@ -255,8 +255,9 @@ def seed_reads(db_url: str, tenant: str, n_jobs: int = 200, n_events: int = 30) 
     return ids
 
 
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of ``pid`` and every descendant (uvicorn's workers)."""
+def tree_cpu_s(pid: int, reaped: bool = False) -> float:
+    """CPU seconds (user + system) of ``pid`` and every descendant (uvicorn's workers); ``reaped``: also
+    what their children that already exited used (the kernel adds it to the parent that waited)."""
     parent: dict[int, int] = {}
     times: dict[int, float] = {}
     tck = os.sysconf("SC_CLK_TCK")
@@ -268,7 +269,7 @@ def tree_cpu_s(pid: int) -> float:
         except OSError:
             continue
         parent[int(d.name)] = int(fields[1])
-        times[int(d.name)] = (int(fields[11]) + int(fields[12])) / tck
+        times[int(d.name)] = sum(int(x) for x in fields[11:15 if reaped else 13]) / tck
     total, todo = 0.0, [pid]
     while todo:
         p = todo.pop()
