@@ -106,6 +106,17 @@ class Settings(BaseSettings):
     webhook_timeout_s: float = 5.0
     webhook_max_attempts: int = 8
     webhook_retry_base_s: float = 10.0    # the wait after the n-th failure: base x 2^(n-1)
+    # MLflow integrations (a job's ``integrations: [{"type": "mlflow", ...}]``, gateway.services.tracking): the
+    # gateway logs to the tenant's tracking server, public addresses only unless the host is listed here (the
+    # webhooks' rules); the back-off after the n-th failure is base x 2^(n-1), at most max; a run still not
+    # logged after max_attempts failures in a row is given up. Credentials are kept encrypted with the key in
+    # integration_key_file (0600, made on first use; every gateway sharing the database needs the same file).
+    mlflow_allowed_hosts: list[str] = []
+    mlflow_timeout_s: float = Field(default=10.0, gt=0)
+    mlflow_retry_base_s: float = Field(default=5.0, gt=0)
+    mlflow_max_backoff_s: float = Field(default=600.0, gt=0)
+    mlflow_max_attempts: int = Field(default=60, ge=1)
+    integration_key_file: Path = STATE_DIR / "integrations.key"
     # The trainer's device: "auto" trains on CUDA when torch sees it, and refuses the CPU when Slurm
     # gave the job a GPU on a node with the NVIDIA driver loaded (exit GPU_UNAVAILABLE, failed as node_fail);
     # "cuda" refuses the CPU always (a GPU site that wants no doubt); "cpu" never uses a GPU.
@@ -178,6 +189,7 @@ class Settings(BaseSettings):
         defaults = {"storage_root": data / "storage", "state_dir": data / "state",
                     "database_url": f"sqlite:///{data / 'state' / 'gateway.db'}",
                     "audit_key_file": data / "state" / "audit.key", "catalog_root": data / "models",
+                    "integration_key_file": data / "state" / "integrations.key",
                     "scrub_report_dir": data / "scrub"}
         for name, value in defaults.items():
             if name not in self.model_fields_set:

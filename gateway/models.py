@@ -231,6 +231,8 @@ class FineTuningJob(SQLModel, table=True):
     # who submitted it, as the gateway recorded it (never from Slurm): a person's username, or
     # "token:<name or #id>" for a service token (gateway.access.tokens.who)
     created_by: str | None = Field(default=None, max_length=64, index=True)
+    # OpenAI's ``integrations`` as the job object shows them: credentials never here (gateway.services.tracking)
+    integrations: list[dict[str, Any]] | None = Field(default=None, sa_type=sa.JSON)
 
 
 class JobEvent(SQLModel, table=True):
@@ -425,3 +427,27 @@ class LeaderLease(SQLModel, table=True):
     holder: str = Field(default="", max_length=200)
     epoch: int = 0
     expires_at: float = 0.0
+
+
+class MlflowRun(SQLModel, table=True):
+    """A job's run on its tenant's MLflow tracking server, logged by the gateway
+    (gateway.services.mlflowlog): where it is, and how far the job's events are logged."""
+
+    __tablename__ = "mlflow_runs"
+
+    job_id: str = Field(foreign_key="fine_tuning_jobs.id", primary_key=True, max_length=40)
+    tenant_id: int = Field(foreign_key="tenants.id", index=True)
+    tracking_uri: str = Field(max_length=2000)
+    experiment: str = Field(max_length=500)
+    run_name: str | None = Field(default=None, max_length=250)
+    credentials: str | None = Field(default=None, sa_type=sa.Text)    # encrypted (services.secretbox), never shown
+    experiment_id: str | None = Field(default=None, max_length=64)
+    run_id: str | None = Field(default=None, max_length=64)
+    params_logged: bool = False
+    event_cursor: int = 0              # the id of the last job event logged (JobEvent.id)
+    status: str = Field(default="logging", max_length=16, index=True)   # gateway.state.TrackingState
+    attempts: int = 0                  # failures in a row
+    next_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    last_error: str | None = Field(default=None, max_length=300)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    finished_at: datetime | None = Field(default=None, sa_type=UTCDateTime)

@@ -32,6 +32,24 @@ class DeliveryState(StrEnum):
     FAILED = "failed"
 
 
+class TrackingState(StrEnum):
+    """A job's MLflow run as the gateway logs it: logging (until the job ended and every event is logged),
+    done (the run completed with the job's status), failed (given up after ``mlflow_max_attempts``)."""
+
+    LOGGING = "logging"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class MlflowRunStatus(StrEnum):
+    """MLflow's own run status words (its ``RunStatus``), which the gateway sets on a tenant's run."""
+
+    RUNNING = "RUNNING"
+    FINISHED = "FINISHED"
+    FAILED = "FAILED"
+    KILLED = "KILLED"
+
+
 class JobState(StrEnum):
     VALIDATING_FILES = "validating_files"
     QUEUED = "queued"
@@ -82,6 +100,9 @@ class FailReason(StrEnum):
 
 TERMINAL = frozenset({JobState.SUCCEEDED, JobState.CANCELLED, JobState.FAILED})
 ACTIVE = frozenset(JobState) - TERMINAL
+MLFLOW_END = MappingProxyType({JobState.SUCCEEDED: MlflowRunStatus.FINISHED, JobState.FAILED: MlflowRunStatus.FAILED,
+                               JobState.CANCELLED: MlflowRunStatus.KILLED})
+"""The status an ended job's MLflow run is completed with."""
 
 
 class IllegalTransition(ValueError):

@@ -68,7 +68,8 @@ class CreateJob(BaseModel):
     seed: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = \
         Field(default=None, max_length=16)
-    integrations: Annotated[list[Any], Field(max_length=16)] | None = None   # accepted, not used
+    # OpenAI's; here {"type": "mlflow", "mlflow": {...}} (services.tracking checks them, naming integrations[i])
+    integrations: Annotated[list[Any], Field(max_length=16)] | None = None
     resources: Resources | None = None                                        # ours; default 1 GPU
     # Together's: continue from "<job id>[:<step>]" (the newest published checkpoint without a step)
     from_checkpoint: Annotated[str, Field(pattern=r"^ftjob-[0-9a-f]{24}(:[1-9][0-9]{0,8})?$")] | None = None
@@ -101,7 +102,7 @@ def job_object(job: FineTuningJob | Any, tenant: str) -> dict[str, Any]:
         "seed": job.seed if job.seed is not None else hp.get("seed", HYPERPARAMETER_DEFAULTS["seed"]),
         "estimated_finish": _ts(job.estimated_finish) if job.status in (JobState.QUEUED, JobState.RUNNING) else None,
         "expected_start": _ts(job.expected_start) if job.status == JobState.QUEUED else None,
-        "integrations": [], "metadata": job.meta,
+        "integrations": job.integrations or [], "metadata": job.meta,     # never a credential (services.tracking)
         "method": {"type": method, method: {"hyperparameters": {**openai_hp, **hp}}},
         # ours
         "created_by": job.created_by,     # the person (or service token) who submitted it
@@ -143,7 +144,8 @@ def _request(body: CreateJob, idempotency_key: str | None) -> jobcreate.JobReque
                           nodes=body.resources.nodes if body.resources else 1,
                           fsdp=body.resources.fsdp if body.resources else False,
                           from_checkpoint=body.from_checkpoint,
-                          method=body.method.type if body.method else "supervised")
+                          method=body.method.type if body.method else "supervised",
+                          integrations=body.integrations)
 
 
 @router.post("")

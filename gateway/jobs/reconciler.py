@@ -114,6 +114,7 @@ class Reconciler:
                     log.exception("reconcile cycle failed; retrying in %.0fs", delay)
                 if self.lease.held:
                     self.workers.start_deliveries()
+                    self.workers.start_tracking()
                     self.sweeper.start(self.fence)
                 self.stop.wait(delay)
         finally:

@@ -1,10 +1,11 @@
-"""The reconciler's slow calls, off its loop: Slurm's cancel, pause and release of a job, and the
-webhook deliveries, each in a daemon thread of its own.
+"""The reconciler's slow calls, off its loop: Slurm's cancel, pause and release of a job, the
+webhook deliveries and the MLflow logging, each in a daemon thread of its own.
 
 A cancel waits for Slurm to confirm no process is left (up to ``cancel_deadline_s`` and the kill
-wait); a webhook receiver may take its time: neither may delay a cycle or an API request. At most
-one cancel and one pause per Slurm job, and one delivery run, are in flight at a time; the
-reconciler repeats a cancel or pause each cycle while Slurm still runs the job.
+wait); a webhook receiver or a tracking server may take its time: none may delay a cycle or an
+API request. At most one cancel and one pause per Slurm job, one delivery run and one MLflow pass
+are in flight at a time; the reconciler repeats a cancel or pause each cycle while Slurm still
+runs the job.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from sqlalchemy.engine import Engine
 
 from gateway.config import Settings
 from gateway.errors import SlurmError
-from gateway.services import webhooks
+from gateway.services import mlflowlog, webhooks
 from gateway.slurm.records import Owner
 from gateway.slurm.scheduler import Scheduler
 
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 class Workers:
-    """Threads for ``start_cancel``, ``start_pause`` and ``start_deliveries``; ``owner`` names whose
+    """Threads for ``start_cancel``, ``start_pause``, ``start_deliveries`` and ``start_tracking``; ``owner`` names whose
     Slurm jobs a tenant's are (``Reconciler.owner``)."""
 
     def __init__(self, engine: Engine, settings: Settings, client: Scheduler, owner: Callable[[str], Owner]):
@@ -60,6 +61,17 @@ class Workers:
                 log.exception("webhook deliveries failed")
 
         self._once("webhooks", work)
+
+    def start_tracking(self) -> None:
+        """Log the due MLflow runs (``services.mlflowlog.log_due``) in a thread, one pass at a time: a slow or
+        absent tracking server never delays a cycle."""
+        def work() -> None:
+            try:
+                mlflowlog.log_due(self.engine, self.settings)
+            except Exception:
+                log.exception("mlflow logging failed")
+
+        self._once("mlflow", work)
 
     def start_cancel(self, slurm_id: int | None, tenant: str) -> None:
         """Run ``Scheduler.cancel`` in a thread, once per Slurm job at a time, for ``tenant``'s job only."""

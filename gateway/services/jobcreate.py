@@ -22,7 +22,7 @@ from gateway.access.tokens import Principal, who
 from gateway.config import Settings
 from gateway.errors import Conflict, NotFound, ServiceError, SlurmError, TooManyJobs
 from gateway.models import DataFile, FileStatus, FineTuningJob, utcnow
-from gateway.services import retention
+from gateway.services import retention, tracking
 from gateway.services.files import get_file
 from gateway.services.jobmemory import _model_shape, memory_check, widen_for_ranks
 from gateway.services.jobmodels import CHECKPOINT_MODEL, checkpoint_files, checkpoint_model_name, find_checkpoint_model
@@ -67,13 +67,16 @@ class JobRequest:
     fsdp: bool = False      # shard the model over the ranks
     from_checkpoint: str | None = None   # "<job id>[:<step>]": continue from that job's checkpoint (Together's way)
     method: str = "supervised"           # or "dpo": preference pairs (METHODS)
+    integrations: list[Any] | None = None   # as the request gave them (services.tracking checks them)
 
     def digest(self) -> str:
         """sha256 of the request without its idempotency key: a reused key must come with the same request."""
         # fields at their defaults that came later are left out: a retry of an older request keeps its digest
         fields = {k: v for k, v in self.__dict__.items()
-                  if k != "idempotency_key" and not (k in ("fsdp", "from_checkpoint") and not v)
+                  if k != "idempotency_key" and not (k in ("fsdp", "from_checkpoint", "integrations") and not v)
                   and not (k == "method" and v == "supervised")}
+        if self.integrations:
+            fields["integrations"] = tracking.redacted(self.integrations)
         body = json.dumps(fields,
                           sort_keys=True, default=str)
         return hashlib.sha256(body.encode()).hexdigest()
@@ -188,11 +191,14 @@ def create_job(*, session: Session, settings: Settings, principal: Principal, re
             FineTuningJob.tenant_id == tid, FineTuningJob.idempotency_key == req.idempotency_key)).first()
         if existing is not None:
             return _same_request(existing, req)
+    integrations = tracking.parse(req.integrations, settings)
     job, spec = prepare_job(session=session, settings=settings, principal=principal, req=req, submit=submit)
+    job.integrations = [it.public() for it in integrations] or None
     try:
         with session.begin_nested():      # the write lock only from here (SQLite): checks and sacctmgr ran before
             session.add(job)
             session.flush()
+            tracking.attach(session, job, integrations, settings)
     except IntegrityError:
         existing = session.exec(select(FineTuningJob).where(
             FineTuningJob.tenant_id == tid, FineTuningJob.idempotency_key == req.idempotency_key)).first()

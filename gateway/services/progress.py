@@ -166,5 +166,5 @@ def _metrics(s: Session, job: FineTuningJob, ev: dict[str, Any], progress: dict[
     dpo = {f"train_{k}": _num(ev.get(k)) for k in ("reward_margin", "reward_accuracy") if k in ev}
     add_event(s, job.id, f"Step {_int(step)}/{_int(total)}: training loss={_loss(ev.get('loss'))}",
               type_="metrics", data={"step": step, "total_steps": total,
-                                     "train_loss": ev.get("loss"),
+                                     "train_loss": ev.get("loss"), "lr": _num(ev.get("lr")),
                                      "tokens_per_s": ev.get("tokens_per_s"), **dpo})

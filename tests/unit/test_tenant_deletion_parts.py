@@ -27,6 +27,7 @@ from gateway.models import (
     FineTuningJob,
     JobCheckpoint,
     JobEvent,
+    MlflowRun,
     ModelAlias,
     PortalSession,
     Role,
@@ -257,6 +258,7 @@ def _populate(s: Session, name: str, canary: str) -> tuple[Tenant, str]:
         WebhookDelivery(endpoint_id=ep.id, tenant_id=t.id, event_type="fine_tuning.job.succeeded", job_id=job.id,
                         body=canary),
         ModelAlias(tenant_id=t.id, base_model="tiny-chat", alias="prod", fine_tuned_model=f"ft:x:{canary}"),
+        MlflowRun(job_id=job.id, tenant_id=t.id, tracking_uri=f"https://{canary}.example.org", experiment=canary),
     ])
     s.flush()
     return t, secret

@@ -1,0 +1,265 @@
+"""The gateway's MLflow logger: each job with an MLflow integration (``services.tracking``) logged to
+its tenant's tracking server over MLflow's REST API (httpx; no mlflow package in the gateway).
+
+``log_due`` (run by the reconciler's process in a thread of its own, ``jobs.workers``) advances every
+due ``MlflowRun`` as far as it can, in this order, each step recorded once it succeeded:
+
+1. the experiment (``experiments/get-by-name``, else ``experiments/create``) and the run
+   (``runs/create``: the run name, the job's creation time, tags ``slurm_finetune.job_id`` and, when the
+   site has a public URL, ``slurm_finetune.url``, the job's portal page);
+2. the parameters (``runs/log-batch``): the job id, model, files, method, resources and every
+   hyperparameter;
+3. the job's metrics events after ``event_cursor`` (each step's ``train_loss``, ``lr``, ``tokens_per_s``,
+   ...; each eval's ``valid_*``), in batches (``runs/log-batch`` with each point's own step and the
+   time the gateway read it), moving the cursor past each batch once the server took it;
+4. once the job has ended and every event is logged: the final eval (``final_valid_*``, from the
+   job's ``after`` eval), ``trained_tokens``, a ``slurm_finetune.status`` tag, and the run's status
+   (FINISHED, FAILED or KILLED, ``state.MLFLOW_END``) with the job's end time (``runs/update``).
+
+A server that is down, slow or refusing costs the run a back-off (``mlflow_retry_base_s`` x 2^(n-1), at
+most ``mlflow_max_backoff_s``); when it answers again the history is logged point for point from the
+cursor. After ``mlflow_max_attempts`` failures in a row the run is given up (``TrackingState.FAILED``,
+its last error kept). The tracking URI is checked again at each pass and dialled at exactly the checked
+addresses (``netguard.PinnedTransport``). A pass with nothing new writes nothing to the database.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from datetime import timedelta
+from typing import Any
+
+import httpx
+from sqlmodel import Session, col, select
+
+from gateway.config import Settings
+from gateway.errors import ServiceError
+from gateway.models import FineTuningJob, JobEvent, MlflowRun, utcnow
+from gateway.services import netguard, secretbox, tracking
+from gateway.state import MLFLOW_END, TERMINAL, JobState, TrackingState
+
+log = logging.getLogger(__name__)
+
+API = "/api/2.0/mlflow/"
+EVENTS_PER_BATCH = 150      # a step event carries a handful of metrics: MLflow takes 1000 a request
+MAX_BATCHES_PER_PASS = 20   # one run's backlog never holds up the others for long
+PARAM_CHARS = 6000          # MLflow's longest parameter value
+NOT_METRICS = frozenset({"step", "total_steps"})
+FINAL_EVAL = {"loss": "final_valid_loss", "perplexity": "final_valid_perplexity",
+              "token_accuracy": "final_valid_mean_token_accuracy", "reward_margin": "final_valid_reward_margin",
+              "reward_accuracy": "final_valid_reward_accuracy"}
+
+
+class MlflowError(Exception):
+    """The tracking server answered with an error (its HTTP status and MLflow's ``error_code``)."""
+
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(f"HTTP {status} {code}: {message[:150]}")
+        self.status, self.code = status, code
+
+
+Transport = httpx.BaseTransport
+
+
+class Client:
+    """MLflow's REST calls for one run's server, with its credentials; ``transport``: the pinned one (tests
+    pass their own)."""
+
+    def __init__(self, uri: str, secrets: dict[str, str], settings: Settings, transport: Transport):
+        auth: httpx.Auth | None = None
+        headers = {"user-agent": "slurm-finetune-mlflow"}
+        if "token" in secrets:
+            headers["authorization"] = f"Bearer {secrets['token']}"
+        elif "username" in secrets:
+            auth = httpx.BasicAuth(secrets["username"], secrets["password"])
+        self.base = uri.rstrip("/") + API
+        self.http = httpx.Client(transport=transport, timeout=settings.mlflow_timeout_s, follow_redirects=False,
+                                 trust_env=False, headers=headers, auth=auth)
+
+    def close(self) -> None:
+        """Close the connection."""
+        self.http.close()
+
+    def call(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
+        """The JSON answer of ``method path``; MlflowError for an error answer, httpx.HTTPError for no answer."""
+        r = self.http.request(method, self.base + path, **kw)
+        try:
+            body = r.json() if r.content else {}
+        except ValueError:
+            body = {}
+        if not r.is_success:
+            body = body if isinstance(body, dict) else {}
+            raise MlflowError(r.status_code, str(body.get("error_code") or "HTTP_ERROR"),
+                              str(body.get("message") or r.reason_phrase))
+        return body if isinstance(body, dict) else {}
+
+    def experiment_id(self, name: str) -> str:
+        """The id of experiment ``name``, created when there is none."""
+        try:
+            return str(self.call("GET", "experiments/get-by-name",
+                                 params={"experiment_name": name})["experiment"]["experiment_id"])
+        except MlflowError as e:
+            if e.code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+        try:
+            return str(self.call("POST", "experiments/create", json={"name": name})["experiment_id"])
+        except MlflowError as e:
+            if e.code != "RESOURCE_ALREADY_EXISTS":      # another job made it just now
+                raise
+            return self.experiment_id(name)
+
+    def log_batch(self, run_id: str, *, metrics: list[dict[str, Any]] | None = None,
+                  params: list[dict[str, str]] | None = None, tags: list[dict[str, str]] | None = None) -> None:
+        """One ``runs/log-batch`` (the caller keeps to MLflow's 1000 metrics, 100 params and 100 tags)."""
+        self.call("POST", "runs/log-batch", json={"run_id": run_id, "metrics": metrics or [],
+                                                  "params": params or [], "tags": tags or []})
+
+
+def _ms(dt: Any) -> int:
+    return int(dt.timestamp() * 1000)
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def event_metrics(ev: JobEvent) -> list[dict[str, Any]]:
+    """The MLflow metrics of one job event: each numeric field of a ``metrics`` event's data but its step
+    (``train_loss``, ``lr``, ``valid_loss``, ...), at that step and the time the gateway read it."""
+    data = ev.data or {}
+    step = data.get("step") if isinstance(data.get("step"), int) and not isinstance(data.get("step"), bool) else 0
+    return [{"key": k, "value": v, "timestamp": _ms(ev.created_at), "step": step}
+            for k, raw in data.items() if k not in NOT_METRICS and (v := _num(raw)) is not None]
+
+
+def params_of(job: FineTuningJob) -> list[dict[str, str]]:
+    """The run's parameters: the job's identity, model, files, method, resources and hyperparameters."""
+    fields: dict[str, Any] = {"job_id": job.id, "model": job.parent_model or job.model, "base_model": job.model,
+                              "training_file": job.training_file, "validation_file": job.validation_file,
+                              "method": job.method, "suffix": job.suffix, "seed": job.seed, "gpus": job.gpus,
+                              "nodes": job.nodes}
+    fields.update({f"hp.{k}": v for k, v in sorted((job.hyperparameters or {}).items())})
+    return [{"key": k, "value": str(v)[:PARAM_CHARS]} for k, v in fields.items() if v is not None][:100]
+
+
+def run_tags(job: FineTuningJob, settings: Settings) -> list[dict[str, str]]:
+    """Tags linking the run back to the job: its id and, with a public URL, its portal page."""
+    tags = [{"key": "slurm_finetune.job_id", "value": job.id}]
+    if settings.public_urls:
+        base = settings.public_urls[0].rstrip("/")
+        tags.append({"key": "slurm_finetune.url", "value": f"{base}/portal/jobs/{job.id}"})
+    return tags
+
+
+def final_metrics(job: FineTuningJob) -> list[dict[str, Any]]:
+    """The ended job's final eval (its ``after`` eval) as ``final_valid_*``, and its trained tokens."""
+    evals = [e for e in (job.progress or {}).get("evals") or [] if isinstance(e, dict) and e.get("when") == "after"]
+    ts = _ms(job.finished_at or utcnow())
+    out: list[dict[str, Any]] = []
+    if evals:
+        step = evals[-1].get("step") if isinstance(evals[-1].get("step"), int) else 0
+        out += [{"key": name, "value": v, "timestamp": ts, "step": step}
+                for k, name in FINAL_EVAL.items() if (v := _num(evals[-1].get(k))) is not None]
+    if job.trained_tokens is not None:
+        out.append({"key": "trained_tokens", "value": float(job.trained_tokens), "timestamp": ts,
+                    "step": _num((job.progress or {}).get("step")) or 0})
+    return out
+
+
+def backoff_s(attempts: int, settings: Settings) -> float:
+    """The wait after the ``attempts``-th failure in a row: base x 2^(n-1), at most the maximum."""
+    return float(min(settings.mlflow_max_backoff_s, settings.mlflow_retry_base_s * 2 ** min(attempts - 1, 30)))
+
+
+def _advance(s: Session, run: MlflowRun, job: FineTuningJob, client: Client, settings: Settings) -> bool:
+    """Log what is due for ``run``, committing after each step the server took; whether the run is done."""
+    if run.run_id is None:
+        if run.experiment_id is None:
+            run.experiment_id = client.experiment_id(run.experiment)
+        body = {"experiment_id": run.experiment_id, "start_time": _ms(job.created_at),
+                "tags": run_tags(job, settings)}
+        if run.run_name:
+            body["run_name"] = run.run_name
+        run.run_id = str(client.call("POST", "runs/create", json=body)["run"]["info"]["run_id"])
+        _save(s, run)
+    assert run.run_id is not None
+    if not run.params_logged:
+        client.log_batch(run.run_id, params=params_of(job))
+        run.params_logged = True
+        _save(s, run)
+    ended = JobState(job.status) in TERMINAL     # read before the events: none come after the end
+    for _ in range(MAX_BATCHES_PER_PASS):
+        events = list(s.exec(select(JobEvent).where(JobEvent.job_id == job.id, JobEvent.type == "metrics",
+                                                    col(JobEvent.id) > run.event_cursor)
+                             .order_by(col(JobEvent.id)).limit(EVENTS_PER_BATCH)))
+        if not events:
+            break
+        metrics = [m for ev in events for m in event_metrics(ev)]
+        for i in range(0, len(metrics), 1000):
+            client.log_batch(run.run_id, metrics=metrics[i:i + 1000])
+        assert events[-1].id is not None
+        run.event_cursor = events[-1].id
+        _save(s, run)
+    else:
+        return False          # more to log: the next pass goes on
+    if not ended:
+        return False
+    client.log_batch(run.run_id, metrics=final_metrics(job),
+                     tags=[{"key": "slurm_finetune.status", "value": job.status}])
+    client.call("POST", "runs/update", json={"run_id": run.run_id, "status": MLFLOW_END[JobState(job.status)].value,
+                                             "end_time": _ms(job.finished_at or utcnow())})
+    return True
+
+
+def _save(s: Session, run: MlflowRun) -> None:
+    run.attempts, run.last_error = 0, None
+    s.add(run)
+    s.commit()
+
+
+def _fail(s: Session, run: MlflowRun, error: str, settings: Settings) -> None:
+    run.attempts += 1
+    run.last_error = error[:300]
+    if run.attempts >= settings.mlflow_max_attempts:
+        run.status, run.finished_at = TrackingState.FAILED, utcnow()
+        log.warning("mlflow run of %s given up after %d failures: %s", run.job_id, run.attempts, error)
+    else:
+        run.next_at = utcnow() + timedelta(seconds=backoff_s(run.attempts, settings))
+        log.info("mlflow run of %s: %s; retrying in %.0fs", run.job_id, error, backoff_s(run.attempts, settings))
+    s.add(run)
+    s.commit()
+
+
+def _transport(run: MlflowRun, settings: Settings) -> Transport:
+    return netguard.PinnedTransport(tracking.dial_addresses(run.tracking_uri, settings))
+
+
+def log_due(engine: Any, settings: Settings, *, transport: Transport | None = None, limit: int = 50) -> int:
+    """Advance every due MLflow run (see the module doc), at most ``limit``; returns how many it completed.
+    ``transport`` replaces the pinned connection to each server (tests)."""
+    done = 0
+    with Session(engine, expire_on_commit=False) as s:
+        due = list(s.exec(select(MlflowRun).where(MlflowRun.status == TrackingState.LOGGING,
+                                                  col(MlflowRun.next_at) <= utcnow())
+                          .order_by(col(MlflowRun.next_at)).limit(limit)))
+        for run in due:
+            job = s.get(FineTuningJob, run.job_id)
+            if job is None:
+                continue
+            try:
+                client = Client(run.tracking_uri, tracking.credentials(run, settings), settings,
+                                transport or _transport(run, settings))
+                try:
+                    finished = _advance(s, run, job, client, settings)
+                finally:
+                    client.close()
+            except (httpx.HTTPError, MlflowError, ServiceError, secretbox.Unavailable, KeyError, TypeError) as e:
+                _fail(s, run, f"{type(e).__name__}: {e}", settings)
+                continue
+            if finished:
+                run.status, run.finished_at = TrackingState.DONE, utcnow()
+                _save(s, run)
+                done += 1
+                log.info("mlflow run %s of %s completed (%s)", run.run_id, job.id, job.status)
+    return done
