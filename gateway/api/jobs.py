@@ -103,7 +103,7 @@ def job_object(job: FineTuningJob | Any, tenant: str) -> dict[str, Any]:
         "estimated_finish": _ts(job.estimated_finish) if job.status in (JobState.QUEUED, JobState.RUNNING) else None,
         "expected_start": _ts(job.expected_start) if job.status == JobState.QUEUED else None,
         "integrations": job.integrations or [], "metadata": job.meta,     # never a credential (services.tracking)
-        "method": {"type": method, method: {"hyperparameters": {**openai_hp, **hp}}},
+        "method": {"type": method, method: {"hyperparameters": {**openai_hp, **openai.ours_shown(hp)}}},
         # ours
         "created_by": job.created_by,     # the person (or service token) who submitted it
         "slurm_job_id": job.slurm_job_id, "attempt": job.attempt, "phase": job.phase, "qos": job.qos,
@@ -171,8 +171,11 @@ def estimate_job(body: CreateJob, request: Request, session: SessionDep, setting
     submitter = request.app.state.submitter
     if submitter is None:
         raise ServiceError("this gateway has no Slurm connection: jobs cannot run", code="no_backend")
-    return jobcreate.estimate_job(session=session, settings=settings, principal=principal, req=_request(body, None),
-                            submit=submitter)
+    out = jobcreate.estimate_job(session=session, settings=settings, principal=principal, req=_request(body, None),
+                                 submit=submitter)
+    hp = out["hyperparameters"]
+    out["hyperparameters"] = {**openai.to_openai(hp), **openai.ours_shown(hp)}   # as the job would show them
+    return out
 
 
 # The three hot reads are ``async def``: they run on the event loop, without a thread-pool hop (and its

@@ -22,18 +22,19 @@ from gateway.access.tokens import Principal, who
 from gateway.config import Settings
 from gateway.errors import Conflict, NotFound, ServiceError, SlurmError, TooManyJobs
 from gateway.models import DataFile, FileStatus, FineTuningJob, utcnow
-from gateway.services import retention, tracking
+from gateway.services import autohp, retention, tracking
 from gateway.services.files import get_file
 from gateway.services.jobmemory import _model_shape, memory_check, widen_for_ranks
 from gateway.services.jobmodels import CHECKPOINT_MODEL, checkpoint_files, checkpoint_model_name, find_checkpoint_model
 from gateway.services.jobreads import get_job, tenant_id_of
-from gateway.services.jobspec import _epochs, job_spec
+from gateway.services.jobspec import AUTO, _epochs, job_spec
 from gateway.services.jobwrites import add_event, apply_event
 from gateway.state import ACTIVE, Event, FailReason, JobState
 from trainer.contract.spec import Hyperparameters, JobSpec
 
 if TYPE_CHECKING:
     from trainer.catalog import CatalogEntry
+    from trainer.memory import ModelShape
 
 
 class Submit(Protocol):
@@ -206,7 +207,7 @@ def create_job(*, session: Session, settings: Settings, principal: Principal, re
             raise
         return _same_request(existing, req)
     add_event(session, job.id, f"Created fine-tuning job: {job.id}")
-    if (note := _widened(req, job)) is not None:
+    if (note := _widened(job)) is not None:
         add_event(session, job.id, note, level="warning")
     session.commit()
     assert principal.tenant_name is not None
@@ -214,11 +215,43 @@ def create_job(*, session: Session, settings: Settings, principal: Principal, re
     return job
 
 
-def _widened(req: JobRequest, job: FineTuningJob) -> str | None:
-    """The note of :func:`widen_for_ranks` when it widened ``job``'s steps (for its event log)."""
-    hp = dict(req.hyperparameters)
-    return widen_for_ranks(hp, req.method, req.gpus) if "batch_size_tokens" not in hp and \
-        "batch_size_tokens" in (job.hyperparameters or {}) else None
+def _widened(job: FineTuningJob) -> str | None:
+    """The note for ``job``'s event log when its chosen ``batch_size_tokens`` was widened for its ranks
+    (``autohp.batch_tokens``), else None."""
+    hp = job.hyperparameters or {}
+    before = (hp.get(AUTO) or {}).get("widened_from")
+    if before is None:
+        return None
+    budget = hp["batch_size_tokens"]
+    return (f"batch_size_tokens widened from the chosen {before} to {budget} so that each of the {job.gpus} "
+            f"ranks has a row of {budget // job.gpus} tokens every step")
+
+
+def epochs_admitted(settings: Settings, train: DataFile, gpus: int) -> int:
+    """The most epochs of ``train`` (up to ``autohp.MAX_DEFAULT_EPOCHS``) that the site's limits on
+    tokens and time admit (:func:`_admit`), at least 1: the cap of the epochs ``auto`` chooses, so that
+    ``auto`` never makes a job admission refuses."""
+    for epochs in range(autohp.MAX_DEFAULT_EPOCHS, 1, -1):
+        tokens, minutes = estimate(settings, train, epochs, gpus)
+        if tokens <= settings.max_tokens_per_job and minutes <= settings.max_wall_min:
+            return epochs
+    return 1
+
+
+def choose_auto(settings: Settings, train: DataFile, shape: ModelShape | None, hp: dict[str, Any],
+                method: str, gpus: int) -> None:
+    """Fill ``hp`` (our names) with the ``auto`` values it leaves out (``autohp.choose``: from the
+    training file's validation statistics and the base's parameter count) and record the choice
+    under ``AUTO``. ServiceError (400) when the request itself names ``AUTO``."""
+    if AUTO in hp:
+        raise ServiceError(f"hyperparameters.{AUTO} is not a hyperparameter: give \"auto\" as a value instead "
+                           f"(e.g. \"n_epochs\": \"auto\")", param=f"hyperparameters.{AUTO}")
+    choice = autohp.choose(hp, autohp.DataFacts.from_validation(train.validation, train.bytes),
+                           parameters=shape.parameters() if shape is not None else None, method=method,
+                           gpus=gpus,
+                           max_epochs=None if "epochs" in hp else epochs_admitted(settings, train, gpus))
+    hp.update(choice.values)
+    hp[AUTO] = choice.record()
 
 
 def prepare_job(*, session: Session, settings: Settings, principal: Principal, req: JobRequest,
@@ -250,12 +283,14 @@ def prepare_job(*, session: Session, settings: Settings, principal: Principal, r
                            param="model", code="model_changed")
     if req.seed is not None:
         hp["seed"] = req.seed
-    epochs = _epochs(hp)
     check_resources(settings, req.gpus, req.nodes, req.fsdp)
+    shape = _model_shape(settings, entry)
+    choose_auto(settings, train, shape, hp, req.method, req.gpus)   # recorded: spec, recovery, estimate agree
+    epochs = _epochs(hp)
     tokens, minutes = estimate(settings, train, epochs, req.gpus)
     _admit(session, settings, tid, tokens, minutes, pending)
     _gpus_allowed(submit, tenant_name, minutes, req.gpus)
-    widen_for_ranks(hp, req.method, req.gpus)
+    widen_for_ranks(hp, req.method, req.gpus)       # an explicit batch_size_tokens too small for the ranks
     job = FineTuningJob(tenant_id=tid, training_file=train.id, validation_file=val.id if val else None,
                         model=base, model_digest=entry.digest, hyperparameters=hp,
                         parent_model=model if parent is not None else None,
@@ -265,8 +300,7 @@ def prepare_job(*, session: Session, settings: Settings, principal: Principal, r
                         estimated_tokens=tokens, time_limit_min=minutes, gpus=req.gpus, nodes=req.nodes,
                         fsdp=req.fsdp, method=req.method, created_by=who(principal))
     spec = job_spec(settings, tenant_name, job, train, val, entry, init)  # validates hp before any row exists
-    shape = _model_shape(settings, entry) if check_memory else None
-    if shape is not None and (check := memory_check(settings, spec, shape)).fits is False:
+    if check_memory and shape is not None and (check := memory_check(settings, spec, shape)).fits is False:
         raise ServiceError(check.refusal(), param="hyperparameters", code="insufficient_memory")
     return job, spec
 
@@ -283,7 +317,8 @@ def estimate_job(*, session: Session, settings: Settings, principal: Principal, 
                            "time_limit_minutes": minutes, "expected_minutes": max(1, round(minutes / 1.5)),
                            "gpu_hours": round(job.gpus * minutes / 1.5 / 60, 3),
                            "batch_size_tokens": (job.hyperparameters or {}).get("batch_size_tokens"),
-                           "warnings": [note] if (note := _widened(req, job)) else []}
+                           "hyperparameters": dict(job.hyperparameters or {}),   # ours (the route adds OpenAI's)
+                           "warnings": [note] if (note := _widened(job)) else []}
     shape = _model_shape(settings, _catalog_entry(settings, job.model))
     if shape is not None:
         check = memory_check(settings, spec, shape)

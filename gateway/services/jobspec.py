@@ -24,6 +24,13 @@ if TYPE_CHECKING:
     from trainer.catalog import CatalogEntry
 
 
+AUTO = "auto"
+"""The key of a job's recorded hyperparameters that keeps what ``auto`` chose (``autohp.Choice.record``):
+the gateway's, never the trainer's (``job_spec`` leaves it out of the spec)."""
+NOT_TRAINER_HYPERPARAMETERS = ("checkpoint_every_steps", "keep_checkpoints", AUTO)
+"""Keys of a job's recorded hyperparameters that are not the spec's ``hyperparameters``."""
+
+
 def whole_epochs(value: Any, param: str = "hyperparameters.epochs") -> int:
     """``value`` as a whole number of epochs in the contract's range; ServiceError (400) naming
     ``param`` otherwise (the estimate needs it before the full spec is checked)."""
@@ -50,7 +57,7 @@ def job_spec(settings: Settings, tenant: str, job: FineTuningJob, train: DataFil
     same way); ``init``: the parent's adapter tar (continued training). ServiceError
     naming the field if it is invalid."""
     hp = dict(job.hyperparameters or {})
-    top = {k: hp.pop(k) for k in ("checkpoint_every_steps", "keep_checkpoints") if k in hp}
+    top = {k: hp.pop(k) for k in NOT_TRAINER_HYPERPARAMETERS if k in hp}
     spec: dict[str, Any] = {
         "job_id": job.id,
         "base_model": {"name": job.model, "digest": entry.digest, "catalog_root": str(settings.models_root)},

@@ -65,8 +65,7 @@ def build_lineage(*, session: Session, settings: Settings, job: FineTuningJob, t
     train = session.get(DataFile, job.training_file)
     val = session.get(DataFile, job.validation_file) if job.validation_file else None
     init = session.get(DataFile, job.init_file) if job.init_file else None
-    hp = {k: v for k, v in (job.hyperparameters or {}).items() if k not in ("checkpoint_every_steps",
-                                                                           "keep_checkpoints")}
+    hp = {k: v for k, v in (job.hyperparameters or {}).items() if k not in jobspec.NOT_TRAINER_HYPERPARAMETERS}
     resolved = Hyperparameters.model_validate(hp).model_dump(mode="json")
     ours: str | None = None
     spec: dict[str, Any] | None = None

@@ -140,6 +140,10 @@ def estimate_job(as_json: bool, **request: Any) -> None:
     click.echo(f"~{est['estimated_tokens']:,} training tokens on {est['gpus']} GPU(s): about "
                f"{est['expected_minutes']} min ({est['gpu_hours']} GPU-hours), "
                f"time limit {est['time_limit_minutes']} min")
+    if hp := est.get("hyperparameters"):     # what "auto" chose, as the job would show it
+        click.echo(f"hyperparameters: n_epochs {hp.get('n_epochs')}, batch_size {hp.get('batch_size')} "
+                   f"(batch_size_tokens {hp.get('batch_size_tokens')}), learning_rate_multiplier "
+                   f"{hp.get('learning_rate_multiplier')} (learning_rate {hp.get('learning_rate')})")
     memory = est.get("memory")
     if memory:
         limit = f" of {memory['limit_gib']} GiB" if memory.get("limit_gib") else ""

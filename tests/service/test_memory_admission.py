@@ -1,6 +1,6 @@
 """Memory admission through the real API: a job whose estimated per-GPU peak (trainer.memory) is over
 its partition's GPUs is refused at create with the figure, and the estimate route reports the figure
-and whether it fits; a job that fits is admitted. Idle ranks: a default step budget is widened for
+and whether it fits; a job that fits is admitted. Idle ranks: a chosen (auto) step budget is widened for
 the GPUs asked for, an explicit one too small is refused."""
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def test_idle_ranks_widened_by_default_refused_when_explicit(gw_gpu: Gateway) ->
                            json={"model": "tiny-chat", "training_file": fid, "resources": four})
     assert r.status_code == 200, r.text
     assert r.json()["batch_size_tokens"] == 4 * 2048
-    assert any("widened from the default 4096 to 8192" in w for w in r.json()["warnings"])
+    assert any("widened from the chosen 2048 to 8192" in w for w in r.json()["warnings"])   # auto: one row
     r = gw_gpu.client.post("/v1/fine_tuning/jobs/estimate", headers=auth, json={
         "model": "tiny-chat", "training_file": fid, "resources": four, "hyperparameters": {"batch_size_tokens": 4096}})
     assert r.status_code == 400 and r.json()["error"]["code"] == "idle_ranks", r.text
