@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlmodel import Session, select
 
 from gateway.config import Settings
 from gateway.models import FineTuningJob
@@ -96,6 +97,7 @@ def test_auto_differs_for_100_and_100000_examples_and_the_job_shows_it(
             (hp["epochs"], hp["batch_size_tokens"], hp["learning_rate"])
     again = gw.client.get(f"{JOBS}/{large['id']}", headers=gw.auth(TENANT_A)).json()
     assert again["hyperparameters"] == l_hp                         # recorded, not recomputed
+    assert rebuilt_spec(gw, large["id"]) == submitter.specs[large["id"]]   # a resubmission trains the same
 
     est = gw.client.post(f"{JOBS}/estimate", headers=gw.auth(TENANT_A),
                          json={"model": "tiny-chat", "training_file": large_file})
@@ -105,9 +107,19 @@ def test_auto_differs_for_100_and_100000_examples_and_the_job_shows_it(
     assert est.json()["estimated_tokens"] == large_tokens(gw, large["id"])
 
 
-def large_tokens(gw: Gateway, job_id: str) -> int:
-    from sqlmodel import Session
+def rebuilt_spec(gw: Gateway, job_id: str) -> JobSpec | None:
+    """The spec recovery would submit again for ``job_id`` (``services.recovery``: from the row)."""
+    from gateway.models import Tenant
+    from gateway.services import recovery
 
+    with Session(gw.app.state.engine) as session:
+        job = session.get(FineTuningJob, job_id)
+        tenant = session.exec(select(Tenant).where(Tenant.name == TENANT_A)).one()
+        assert job is not None
+        return recovery._rebuilt_spec(session, gw.settings, job, tenant)
+
+
+def large_tokens(gw: Gateway, job_id: str) -> int:
     with Session(gw.app.state.engine) as session:
         job = session.get(FineTuningJob, job_id)
         assert job is not None and job.estimated_tokens is not None
