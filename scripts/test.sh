@@ -24,6 +24,7 @@ if [ "$fast" = 1 ]; then
     [ -x "$PY" ] || { echo "test: no runtime at $PREFIX/venv: run scripts/test.sh once (as root) or scripts/bootstrap.sh" >&2; exit 1; }
 elif [ "$(id -u)" = 0 ]; then
     bash scripts/bootstrap.sh
+    bash scripts/test-mlflow.sh      # the MLflow server the slurm tier's integration test logs to
 else
     echo "test: not root: skipping bootstrap; the slurm and ssh tiers will be skipped" >&2
 fi
