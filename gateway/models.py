@@ -445,8 +445,31 @@ class MlflowRun(SQLModel, table=True):
     run_id: str | None = Field(default=None, max_length=64)
     params_logged: bool = False
     event_cursor: int = 0              # the id of the last job event logged (JobEvent.id)
+    sweep_id: str | None = Field(default=None, max_length=40, index=True)   # a child of MlflowParentRun
     status: str = Field(default="logging", max_length=16, index=True)   # gateway.state.TrackingState
     attempts: int = 0                  # failures in a row
+    next_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    last_error: str | None = Field(default=None, max_length=300)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    finished_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+
+
+class MlflowParentRun(SQLModel, table=True):
+    """A sweep's parent run on its tenant's MLflow server: each of the sweep's jobs logs a child run
+    (``MlflowRun.sweep_id``, tag ``mlflow.parentRunId``); it ends when they all have."""
+
+    __tablename__ = "mlflow_parent_runs"
+
+    sweep_id: str = Field(foreign_key="sweeps.id", primary_key=True, max_length=40)
+    tenant_id: int = Field(foreign_key="tenants.id", index=True)
+    tracking_uri: str = Field(max_length=2000)
+    experiment: str = Field(max_length=500)
+    run_name: str | None = Field(default=None, max_length=250)
+    credentials: str | None = Field(default=None, sa_type=sa.Text)    # encrypted (services.secretbox), never shown
+    experiment_id: str | None = Field(default=None, max_length=64)
+    run_id: str | None = Field(default=None, max_length=64)
+    status: str = Field(default="logging", max_length=16, index=True)   # gateway.state.TrackingState
+    attempts: int = 0
     next_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     last_error: str | None = Field(default=None, max_length=300)
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)

@@ -31,6 +31,8 @@ class CreateSweep(BaseModel):
     hyperparameters: dict[str, Any] | None = None        # shared by every run
     suffix: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] | None = None
     seed: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
+    # as a job's: {"type": "mlflow", ...}; the sweep logs a parent run, each of its jobs a child run
+    integrations: Annotated[list[Any], Field(max_length=16)] | None = None
 
 
 @router.post("")
@@ -46,7 +48,7 @@ def create_sweep(body: CreateSweep, request: Request, session: SessionDep, setti
     req = svc.SweepRequest(training_file=body.training_file, validation_file=body.validation_file,
                            model=body.model, grid=dict(body.grid), points=[openai.to_ours(p, "grid") for p in points],
                            hyperparameters=openai.to_ours(body.hyperparameters or {}),
-                           suffix=body.suffix, seed=body.seed)
+                           suffix=body.suffix, seed=body.seed, integrations=body.integrations)
     sweep = svc.create_sweep(session=session, settings=settings, principal=principal, req=req, submit=submitter)
     return svc.sweep_view(session, sweep)
 

@@ -18,13 +18,17 @@ due ``MlflowRun`` as far as it can, in this order, each step recorded once it su
 
 A server that is down, slow or refusing costs the run a back-off (``mlflow_retry_base_s`` x 2^(n-1), at
 most ``mlflow_max_backoff_s``); when it answers again the history is logged point for point from the
-cursor. After ``mlflow_max_attempts`` failures in a row the run is given up (``TrackingState.FAILED``,
+cursor. A sweep's jobs log child runs (tag ``mlflow.parentRunId``) of the sweep's parent run
+(``MlflowParentRun``: made by its first child to reach the server, with the grid as params), which ends
+once every child has (FINISHED when every job succeeded, ``sweep_status``) with the best final
+validation loss. After ``mlflow_max_attempts`` failures in a row the run is given up (``TrackingState.FAILED``,
 its last error kept). The tracking URI is checked again at each pass and dialled at exactly the checked
 addresses (``netguard.PinnedTransport``). A pass with nothing new writes nothing to the database.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from datetime import timedelta
@@ -35,9 +39,9 @@ from sqlmodel import Session, col, select
 
 from gateway.config import Settings
 from gateway.errors import ServiceError
-from gateway.models import FineTuningJob, JobEvent, MlflowRun, utcnow
+from gateway.models import FineTuningJob, JobEvent, MlflowParentRun, MlflowRun, Sweep, utcnow
 from gateway.services import netguard, secretbox, tracking
-from gateway.state import MLFLOW_END, TERMINAL, JobState, TrackingState
+from gateway.state import MLFLOW_END, TERMINAL, JobState, MlflowRunStatus, TrackingState
 
 log = logging.getLogger(__name__)
 
@@ -172,13 +176,41 @@ def backoff_s(attempts: int, settings: Settings) -> float:
     return float(min(settings.mlflow_max_backoff_s, settings.mlflow_retry_base_s * 2 ** min(attempts - 1, 30)))
 
 
+def sweep_params(sweep: Sweep) -> list[dict[str, str]]:
+    """A sweep's parent run's parameters: the sweep, its model, files and grid (``grid.<name>``: the values)."""
+    fields: dict[str, Any] = {"sweep_id": sweep.id, "model": sweep.model, "runs": len(sweep.job_ids),
+                              **{f"grid.{k}": json.dumps(v) for k, v in sweep.grid.items()}}
+    return [{"key": k, "value": str(v)[:PARAM_CHARS]} for k, v in fields.items()][:100]
+
+
+def _parent(s: Session, run: MlflowRun, client: Client) -> MlflowParentRun | None:
+    """The parent run of a sweep's job's run, created (experiment, run, params) when it is not yet; None for
+    a job of no sweep."""
+    parent = s.get(MlflowParentRun, run.sweep_id) if run.sweep_id else None
+    sweep = s.get(Sweep, run.sweep_id) if run.sweep_id else None
+    if parent is None or sweep is None or parent.run_id is not None:
+        return parent
+    if parent.experiment_id is None:
+        parent.experiment_id = client.experiment_id(parent.experiment)
+    tags = [{"key": "slurm_finetune.sweep_id", "value": sweep.id}]
+    parent.run_id = str(client.call("POST", "runs/create", json={
+        "experiment_id": parent.experiment_id, "start_time": _ms(sweep.created_at), "run_name": parent.run_name,
+        "tags": tags})["run"]["info"]["run_id"])
+    _save(s, parent)
+    client.log_batch(parent.run_id, params=sweep_params(sweep))
+    return parent
+
+
 def _advance(s: Session, run: MlflowRun, job: FineTuningJob, client: Client, settings: Settings) -> bool:
     """Log what is due for ``run``, committing after each step the server took; whether the run is done."""
     if run.run_id is None:
+        parent = _parent(s, run, client)
         if run.experiment_id is None:
-            run.experiment_id = client.experiment_id(run.experiment)
-        body = {"experiment_id": run.experiment_id, "start_time": _ms(job.created_at),
-                "tags": run_tags(job, settings)}
+            run.experiment_id = parent.experiment_id if parent else client.experiment_id(run.experiment)
+        tags = run_tags(job, settings)
+        if parent is not None:
+            tags.append({"key": "mlflow.parentRunId", "value": str(parent.run_id)})
+        body = {"experiment_id": run.experiment_id, "start_time": _ms(job.created_at), "tags": tags}
         if run.run_name:
             body["run_name"] = run.run_name
         run.run_id = str(client.call("POST", "runs/create", json=body)["run"]["info"]["run_id"])
@@ -212,26 +244,27 @@ def _advance(s: Session, run: MlflowRun, job: FineTuningJob, client: Client, set
     return True
 
 
-def _save(s: Session, run: MlflowRun) -> None:
+def _save(s: Session, run: MlflowRun | MlflowParentRun) -> None:
     run.attempts, run.last_error = 0, None
     s.add(run)
     s.commit()
 
 
-def _fail(s: Session, run: MlflowRun, error: str, settings: Settings) -> None:
+def _fail(s: Session, run: MlflowRun | MlflowParentRun, error: str, settings: Settings) -> None:
+    of = run.job_id if isinstance(run, MlflowRun) else run.sweep_id
     run.attempts += 1
     run.last_error = error[:300]
     if run.attempts >= settings.mlflow_max_attempts:
         run.status, run.finished_at = TrackingState.FAILED, utcnow()
-        log.warning("mlflow run of %s given up after %d failures: %s", run.job_id, run.attempts, error)
+        log.warning("mlflow run of %s given up after %d failures: %s", of, run.attempts, error)
     else:
         run.next_at = utcnow() + timedelta(seconds=backoff_s(run.attempts, settings))
-        log.info("mlflow run of %s: %s; retrying in %.0fs", run.job_id, error, backoff_s(run.attempts, settings))
+        log.info("mlflow run of %s: %s; retrying in %.0fs", of, error, backoff_s(run.attempts, settings))
     s.add(run)
     s.commit()
 
 
-def _transport(run: MlflowRun, settings: Settings) -> Transport:
+def _transport(run: MlflowRun | MlflowParentRun, settings: Settings) -> Transport:
     return netguard.PinnedTransport(tracking.dial_addresses(run.tracking_uri, settings))
 
 
@@ -262,4 +295,52 @@ def log_due(engine: Any, settings: Settings, *, transport: Transport | None = No
                 _save(s, run)
                 done += 1
                 log.info("mlflow run %s of %s completed (%s)", run.run_id, job.id, job.status)
+        done += _end_parents(s, settings, transport)
+    return done
+
+
+def sweep_status(states: list[str]) -> MlflowRunStatus:
+    """A sweep's parent run's end: FINISHED when every run succeeded, KILLED when the others were cancelled,
+    else FAILED."""
+    if all(st == JobState.SUCCEEDED for st in states):
+        return MlflowRunStatus.FINISHED
+    if all(st in (JobState.SUCCEEDED, JobState.CANCELLED) for st in states):
+        return MlflowRunStatus.KILLED
+    return MlflowRunStatus.FAILED
+
+
+def _end_parents(s: Session, settings: Settings, transport: Transport | None) -> int:
+    """End each due parent run whose children are all logged (or given up): its best final validation loss
+    and the sweep's status; returns how many it ended."""
+    done = 0
+    for parent in s.exec(select(MlflowParentRun).where(MlflowParentRun.status == TrackingState.LOGGING,
+                                                       col(MlflowParentRun.next_at) <= utcnow())).all():
+        children = list(s.exec(select(MlflowRun).where(MlflowRun.sweep_id == parent.sweep_id)))
+        if any(c.status == TrackingState.LOGGING for c in children):
+            continue
+        if parent.run_id is None:          # no child ever reached the server: nothing to end there
+            parent.status, parent.finished_at, parent.last_error = TrackingState.FAILED, utcnow(), "no run logged"
+            _save(s, parent)
+            continue
+        jobs = [j for c in children if (j := s.get(FineTuningJob, c.job_id)) is not None]
+        losses = [m["value"] for j in jobs if j.status == JobState.SUCCEEDED
+                  for m in final_metrics(j) if m["key"] == "final_valid_loss"]
+        ended = max((j.finished_at for j in jobs if j.finished_at), default=utcnow())
+        try:
+            client = Client(parent.tracking_uri, tracking.credentials(parent, settings), settings,
+                            transport or _transport(parent, settings))
+            try:
+                if losses:
+                    client.log_batch(parent.run_id, metrics=[{"key": "best_valid_loss", "value": min(losses),
+                                                              "timestamp": _ms(ended), "step": 0}])
+                client.call("POST", "runs/update", json={"run_id": parent.run_id, "end_time": _ms(ended),
+                                                         "status": sweep_status([j.status for j in jobs]).value})
+            finally:
+                client.close()
+        except (httpx.HTTPError, MlflowError, ServiceError, secretbox.Unavailable, KeyError, TypeError) as e:
+            _fail(s, parent, f"{type(e).__name__}: {e}", settings)
+            continue
+        parent.status, parent.finished_at = TrackingState.DONE, utcnow()
+        _save(s, parent)
+        done += 1
     return done

@@ -23,8 +23,8 @@ from sqlmodel import Session, col, select
 from gateway.access.tokens import Principal
 from gateway.config import Settings
 from gateway.errors import NotFound, ServiceError, SlurmError
-from gateway.models import FineTuningJob, Sweep, new_id, utcnow
-from gateway.services import jobcontrol, jobcreate, jobreads, jobwrites
+from gateway.models import FineTuningJob, MlflowParentRun, Sweep, new_id, utcnow
+from gateway.services import jobcontrol, jobcreate, jobreads, jobwrites, tracking
 from gateway.state import ACTIVE, Event, FailReason, JobState, SweepState
 from trainer.contract.spec import JobSpec
 
@@ -47,6 +47,7 @@ class SweepRequest:
     points: list[dict[str, Any]] | None = None   # each run's by our names (the API's translation); None: the grid's
     suffix: str | None = None
     seed: int | None = None
+    integrations: list[Any] | None = None    # as the request gave them (services.tracking checks them)
 
 
 @runtime_checkable
@@ -114,6 +115,7 @@ def create_sweep(*, session: Session, settings: Settings, principal: Principal, 
     assert principal.tenant_name is not None
     check_files(session=session, principal=principal, training_file=req.training_file,
                 validation_file=req.validation_file)
+    integrations = tracking.parse(req.integrations, settings)
     shared = req.hyperparameters             # our names, as the grid's (gateway.api.openai translated OpenAI's)
     points = req.points if req.points is not None else expand(req.grid, settings.max_sweep_runs)
     overlap = sorted(set(points[0]) & set(shared))
@@ -131,10 +133,14 @@ def create_sweep(*, session: Session, settings: Settings, principal: Principal, 
                                          submit=submit, sweep_id=sweep.id, pending=len(runs)))
     sweep.job_ids = [job.id for job, _ in runs]
     session.add(sweep)
-    for job, _ in runs:
+    for task, (job, _) in enumerate(runs):
+        job.integrations = [{**it.public(), "mlflow": {**it.public()["mlflow"], "run_name":
+                                                       tracking.run_name_of(it, sweep, task)}}
+                            for it in integrations] or None
         session.add(job)
         session.flush()
         jobwrites.add_event(session, job.id, f"Created fine-tuning job: {job.id} (run of sweep {sweep.id})")
+    tracking.attach_sweep(session, sweep, [job for job, _ in runs], integrations, settings)
     session.commit()
     tenant = principal.tenant_name
     if settings.local or not isinstance(submit, ArraySubmit):
@@ -220,8 +226,12 @@ def sweep_view(session: Session, sweep: Sweep) -> dict[str, Any]:
     states = {r["status"] for r in runs}
     status = (SweepState.RUNNING if states & {s.value for s in ACTIVE} else
               SweepState.SUCCEEDED if states == {JobState.SUCCEEDED.value} else SweepState.FINISHED)
+    parents = session.exec(select(MlflowParentRun).where(MlflowParentRun.sweep_id == sweep.id)).all()
+    integrations = [{"type": "mlflow", "mlflow": {"tracking_uri": p.tracking_uri, "experiment": p.experiment,
+                                                  "run_name": p.run_name}} for p in parents]   # never a credential
     return {"object": "fine_tuning.sweep", "id": sweep.id, "created_at": int(sweep.created_at.timestamp()),
             "model": sweep.model, "grid": sweep.grid, "status": status.value, "slurm_array_id": sweep.slurm_array_id,
+            "integrations": integrations,
             "runs": runs, "best": best and {k: best[k] for k in ("job_id", "fine_tuned_model", "valid_loss",
                                                                 "hyperparameters")}}
 

@@ -26,7 +26,7 @@ from sqlmodel import Session
 
 from gateway.config import Settings
 from gateway.errors import ServiceError
-from gateway.models import FineTuningJob, MlflowRun
+from gateway.models import FineTuningJob, MlflowParentRun, MlflowRun, Sweep
 from gateway.services import netguard, secretbox
 
 log = logging.getLogger(__name__)
@@ -143,23 +143,48 @@ def redacted(raw: list[Any] | None) -> list[Any] | None:
     return [hide(e) for e in raw]
 
 
+def _sealed(it: MlflowIntegration, settings: Settings) -> str | None:
+    """The entry's credentials sealed with the site's key (None without); ServiceError when the key is unusable."""
+    try:
+        return secretbox.seal(settings.integration_key_file, json.dumps(it.secrets)) if it.secrets else None
+    except secretbox.Unavailable as e:
+        log.error("integration credentials cannot be sealed: %s", e)
+        raise ServiceError("this gateway cannot store integration credentials now (its key file is unusable): "
+                           "try without them, or ask the site's administrator", code="integration_unavailable",
+                           param="integrations[0].mlflow") from e
+
+
 def attach(session: Session, job: FineTuningJob, integrations: list[MlflowIntegration], settings: Settings) -> None:
     """In the caller's transaction, after the job's row is flushed: one ``MlflowRun`` per integration (its
     credentials sealed with the site's key). ServiceError (``integration_unavailable``) when the key file
     cannot be used."""
     for it in integrations:
-        try:
-            sealed = secretbox.seal(settings.integration_key_file, json.dumps(it.secrets)) if it.secrets else None
-        except secretbox.Unavailable as e:
-            log.error("integration credentials cannot be sealed: %s", e)
-            raise ServiceError("this gateway cannot store integration credentials now (its key file is unusable): "
-                               "try without them, or ask the site's administrator", code="integration_unavailable",
-                               param="integrations[0].mlflow") from e
         session.add(MlflowRun(job_id=job.id, tenant_id=job.tenant_id, tracking_uri=it.tracking_uri,
-                              experiment=it.experiment, run_name=it.run_name, credentials=sealed))
+                              experiment=it.experiment, run_name=it.run_name, credentials=_sealed(it, settings)))
 
 
-def credentials(run: MlflowRun, settings: Settings) -> dict[str, str]:
+def run_name_of(it: MlflowIntegration, sweep: Sweep, task: int) -> str:
+    """A sweep's run ``task``'s run name: the parent's (the integration's, else the sweep id) and the task."""
+    return f"{it.run_name or sweep.id}-{task}"
+
+
+def attach_sweep(session: Session, sweep: Sweep, jobs: list[FineTuningJob], integrations: list[MlflowIntegration],
+                 settings: Settings) -> None:
+    """In the caller's transaction, after the sweep's and its jobs' rows are flushed: per integration, the
+    sweep's parent run (``MlflowParentRun``) and one child ``MlflowRun`` per job, in task order (each named
+    ``run_name_of``). ServiceError (``integration_unavailable``) as ``attach``."""
+    for it in integrations:
+        sealed = _sealed(it, settings)
+        session.add(MlflowParentRun(sweep_id=sweep.id, tenant_id=sweep.tenant_id, tracking_uri=it.tracking_uri,
+                                    experiment=it.experiment, run_name=it.run_name or sweep.id, credentials=sealed))
+        session.flush()
+        for task, job in enumerate(jobs):
+            session.add(MlflowRun(job_id=job.id, tenant_id=job.tenant_id, tracking_uri=it.tracking_uri,
+                                  experiment=it.experiment, run_name=run_name_of(it, sweep, task),
+                                  credentials=sealed, sweep_id=sweep.id))
+
+
+def credentials(run: MlflowRun | MlflowParentRun, settings: Settings) -> dict[str, str]:
     """The run's credentials, unsealed (empty without); secretbox.Unavailable when the key cannot open them."""
     if not run.credentials:
         return {}

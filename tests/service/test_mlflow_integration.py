@@ -1,6 +1,6 @@
 """The MLflow integration through the real API and database (SQLite and PostgreSQL): a wrong entry is a 400
 naming ``integrations[0]...``, a right one is recorded with its credentials sealed, and the job object (at
-create, retrieve and list) shows it without them. Slurm is replaced by a recording submitter; the logging
+create, retrieve and list) shows it without them; a sweep records a parent run and a child run per job. Slurm is replaced by a recording submitter; the logging
 itself is tests/unit/test_mlflow_logger.py and, against a real MLflow server, tests/slurm/test_mlflow_live.py."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from sqlmodel import Session
 
 from gateway.config import Settings
-from gateway.models import FineTuningJob, MlflowRun
+from gateway.models import FineTuningJob, MlflowParentRun, MlflowRun
 from gateway.services import tracking
 from tests.service.conftest import TENANT_A, Gateway, chat_lines
 from trainer.contract.spec import JobSpec
@@ -82,3 +82,25 @@ def test_an_mlflow_integration_is_recorded_sealed_and_shown_without_credentials(
         assert tracking.credentials(row, gw_ml.settings) == {"token": SECRET}
         stored = s.get(FineTuningJob, job["id"])
         assert stored is not None and SECRET not in str(stored.request_hash) + str(stored.integrations)
+
+
+def test_a_sweep_with_mlflow_records_a_parent_run_and_a_child_per_job(gw_ml: Gateway) -> None:
+    val = gw_ml.upload(TENANT_A, chat_lines(12, start=50)).json()["id"]
+    body = {**_body(gw_ml, [{"type": "mlflow", "mlflow": {"tracking_uri": URI, "experiment": "grid",
+                                                          "run_name": "g", "token": SECRET}}]),
+            "validation_file": val, "grid": {"learning_rate": [1e-4, 1e-3]}}
+    r = gw_ml.client.post("/v1/fine_tuning/sweeps", headers=gw_ml.auth(TENANT_A), json=body)
+    assert r.status_code == 200, r.text
+    sweep = r.json()
+    assert sweep["integrations"] == [{"type": "mlflow", "mlflow": {"tracking_uri": URI, "experiment": "grid",
+                                                                   "run_name": "g"}}] and SECRET not in r.text
+    names = [gw_ml.client.get(f"{JOBS}/{run['job_id']}", headers=gw_ml.auth(TENANT_A)).json()["integrations"][0]
+             ["mlflow"]["run_name"] for run in sweep["runs"]]
+    assert names == ["g-0", "g-1"]
+    with Session(gw_ml.app.state.engine) as s:
+        parent = s.get(MlflowParentRun, sweep["id"])
+        children = [s.get(MlflowRun, run["job_id"]) for run in sweep["runs"]]
+        assert parent is not None and all(c is not None and c.sweep_id == sweep["id"] for c in children)
+    bad = {**body, "integrations": [{"type": "mlflow", "mlflow": {"tracking_uri": "http://10.0.0.1"}}]}
+    r = gw_ml.client.post("/v1/fine_tuning/sweeps", headers=gw_ml.auth(TENANT_A), json=bad)
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("integrations[0].mlflow"), r.text

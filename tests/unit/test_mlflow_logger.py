@@ -19,10 +19,10 @@ from sqlmodel import Session, select
 from gateway.config import Settings
 from gateway.db import make_engine, migrate
 from gateway.errors import ServiceError
-from gateway.models import DataFile, FineTuningJob, JobEvent, MlflowRun, Tenant, utcnow
+from gateway.models import DataFile, FineTuningJob, JobEvent, MlflowParentRun, MlflowRun, Sweep, Tenant, utcnow
 from gateway.services import mlflowlog, tracking
 from gateway.services.jobwrites import add_event
-from gateway.state import JobState, TrackingState
+from gateway.state import JobState, MlflowRunStatus, TrackingState
 
 URI = "http://93.184.215.14:5000"     # a public address, literal: no DNS in a unit test
 
@@ -309,3 +309,55 @@ def test_an_address_the_host_no_longer_allows_is_not_dialled(env: Any) -> None:
     assert mlflowlog.log_due(engine, settings) == 0           # the real (pinned) transport: refused before dialling
     row = _row(engine, job_id)
     assert row.attempts == 1 and "not a public address" in (row.last_error or "") and not fake.calls
+
+
+# ------------------------------------------------------------------ sweeps: a parent run and its children
+def _sweep(engine: Any, settings: Settings, n: int) -> tuple[str, list[str]]:
+    its = tracking.parse([{"type": "mlflow", "mlflow": {"tracking_uri": URI, "experiment": "grid",
+                                                        "run_name": "lr-grid", "token": "t"}}], settings)
+    with Session(engine) as s:
+        sweep = Sweep(tenant_id=1, model="tiny-chat", grid={"learning_rate": [1e-4, 1e-3][:n]}, job_ids=[])
+        jobs = [FineTuningJob(tenant_id=1, training_file="file-1", model="tiny-chat", status=JobState.RUNNING.value,
+                              sweep_id=sweep.id, hyperparameters={"learning_rate": lr})
+                for lr in sweep.grid["learning_rate"]]
+        sweep.job_ids = [j.id for j in jobs]
+        s.add(sweep)
+        s.flush()
+        for j in jobs:
+            s.add(j)
+            s.flush()
+        tracking.attach_sweep(s, sweep, jobs, its, settings)
+        s.commit()
+        return sweep.id, sweep.job_ids
+
+
+def test_a_sweep_logs_one_parent_run_with_a_child_run_per_job(env: Any) -> None:
+    engine, settings, fake = env
+    sweep_id, job_ids = _sweep(engine, settings, 2)
+    for job_id in job_ids:
+        _steps(engine, job_id, range(1, 3))
+    _log(engine, settings, fake)
+    parent = next(r for r in fake.runs.values() if "slurm_finetune.sweep_id" in r["tags"])
+    pid = next(k for k, r in fake.runs.items() if r is parent)
+    children = [r for r in fake.runs.values() if r is not parent]
+    assert len(fake.runs) == 3 and parent["run_name"] == "lr-grid" and parent["params"]["grid.learning_rate"]
+    assert [c["run_name"] for c in children] == ["lr-grid-0", "lr-grid-1"]
+    assert all(c["tags"]["mlflow.parentRunId"] == pid and c["experiment_id"] == parent["experiment_id"]
+               for c in children)
+    _end(engine, job_ids[0], JobState.SUCCEEDED)
+    _log(engine, settings, fake)
+    assert parent["status"] == "RUNNING"                # one child still runs
+    _end(engine, job_ids[1], JobState.SUCCEEDED)
+    _log(engine, settings, fake)
+    assert parent["status"] == "FINISHED" and parent["metrics"]["best_valid_loss"][0][1] == 1.5
+    assert [c["status"] for c in children] == ["FINISHED", "FINISHED"]
+    with Session(engine) as s:
+        row = s.get(MlflowParentRun, sweep_id)
+        assert row is not None and row.status == TrackingState.DONE and row.run_id == pid
+
+
+@pytest.mark.parametrize(("states", "status"), [
+    (["succeeded", "succeeded"], MlflowRunStatus.FINISHED), (["succeeded", "cancelled"], MlflowRunStatus.KILLED),
+    (["failed", "cancelled"], MlflowRunStatus.FAILED)])
+def test_a_sweeps_parent_run_ends_as_its_runs_did(states: list[str], status: MlflowRunStatus) -> None:
+    assert mlflowlog.sweep_status(states) == status

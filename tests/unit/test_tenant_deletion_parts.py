@@ -27,6 +27,7 @@ from gateway.models import (
     FineTuningJob,
     JobCheckpoint,
     JobEvent,
+    MlflowParentRun,
     MlflowRun,
     ModelAlias,
     PortalSession,
@@ -260,6 +261,9 @@ def _populate(s: Session, name: str, canary: str) -> tuple[Tenant, str]:
         ModelAlias(tenant_id=t.id, base_model="tiny-chat", alias="prod", fine_tuned_model=f"ft:x:{canary}"),
         MlflowRun(job_id=job.id, tenant_id=t.id, tracking_uri=f"https://{canary}.example.org", experiment=canary),
     ])
+    s.flush()
+    s.add(MlflowParentRun(sweep_id=s.exec(select(Sweep).where(Sweep.tenant_id == t.id)).one().id, tenant_id=t.id,
+                          tracking_uri=f"https://{canary}.example.org", experiment=canary))
     s.flush()
     return t, secret
 
