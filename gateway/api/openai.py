@@ -42,7 +42,7 @@ def _multiplier(value: Any, param: str) -> float:
 
 
 def to_ours(raw: Mapping[str, Any], param: str = "hyperparameters") -> dict[str, Any]:
-    """A request's hyperparameters with our names: ``"auto"`` values left out (our default),
+    """A request's hyperparameters with our names: ``"auto"`` values left out (chosen at create: ``autohp``),
     ``n_epochs`` → ``epochs`` (a whole number in the contract's range), ``learning_rate_multiplier`` → ``learning_rate``
     (times :data:`BASE_LEARNING_RATE`), ``batch_size`` dropped; our own names pass as they are
     (the spec checks them). ServiceError (400) naming the field for a bad multiplier or epochs."""
