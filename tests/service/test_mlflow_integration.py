@@ -1,7 +1,8 @@
 """The MLflow integration through the real API and database (SQLite and PostgreSQL): a wrong entry is a 400
 naming ``integrations[0]...``, a right one is recorded with its credentials sealed, and the job object (at
-create, retrieve and list) shows it without them; a sweep records a parent run and a child run per job. Slurm is replaced by a recording submitter; the logging
-itself is tests/unit/test_mlflow_logger.py and, against a real MLflow server, tests/slurm/test_mlflow_live.py."""
+create, retrieve and list) shows it without them; a sweep records a parent run and a child run per job.
+Slurm is replaced by a recording submitter; the logging itself is tests/unit/test_mlflow_logger.py and,
+against a real MLflow server, tests/slurm/test_mlflow_live.py."""
 
 from __future__ import annotations
 
