@@ -59,6 +59,8 @@ __all__ = [
     "make_tiny",
     "import_smollm2",
     "CHATML_TEMPLATE",
+    "CHATML_TOOLS_TEMPLATE",
+    "renders_tools",
 ]
 
 # ChatML with {% generation %} marks around what the assistant must learn to emit.
@@ -75,6 +77,64 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# CHATML_TEMPLATE plus tool calling, in the Hermes/Qwen2.5 style: the line's tools as JSON in a
+# system block, the assistant's calls as <tool_call>{"name", "arguments"}</tool_call> inside its
+# generation marks (trained), tool answers as a `tool` turn (not trained). Without tools and
+# tool messages it renders exactly what CHATML_TEMPLATE renders (tests/trainer/test_tools.py).
+CHATML_TOOLS_TEMPLATE = (
+    "{% set ns = namespace(first=0) %}"
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% set ns.first = 1 %}{% endif %}"
+    "{{ '<tools>\n' }}{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
+    "{{ '</tools><|im_end|>\n' }}"
+    "{% endif %}"
+    "{% for message in messages[ns.first:] %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}"
+    "{% generation %}{{ message['content'] }}"
+    "{% if message.tool_calls %}{% for call in message.tool_calls %}"
+    "{{ '<tool_call>' + {'name': call.function.name, 'arguments': call.function.arguments} | tojson + '</tool_call>' }}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>' }}{% endgeneration %}"
+    "{{ '\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_PROBE_FUNCTION = "probe_fn_q7x"
+_TOOL_PROBE: dict[str, Any] = {
+    "tools": [{"type": "function", "function": {
+        "name": _PROBE_FUNCTION, "description": "a probe",
+        "parameters": {"type": "object", "properties": {"probe_key": {"type": "string"}}}}}],
+    "conversation": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_probe", "type": "function",
+             "function": {"name": _PROBE_FUNCTION, "arguments": {"probe_key": "probe_value_k3"}}}]},
+        {"role": "tool", "content": "probe_result_w5", "tool_call_id": "call_probe", "name": _PROBE_FUNCTION},
+        {"role": "assistant", "content": "a"},
+    ],
+}
+
+
+def renders_tools(tokenizer: Any) -> bool:
+    """Whether a tokenizer's chat template renders tool calling: a probe conversation rendered with
+    ``tools=`` shows the declared function, the assistant's call of it with its arguments, and the
+    tool's answer. A template that ignores ``tools`` or ``tool_calls`` (SmolLM2's, plain ChatML)
+    would train a tool-calling file as if the calls were empty turns, so such a model is refused
+    for tool-calling data (at create, and by the trainer)."""
+    try:
+        text = tokenizer.apply_chat_template(_TOOL_PROBE["conversation"], tools=_TOOL_PROBE["tools"],
+                                             tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that raises on tools does not render them
+        return False
+    return (isinstance(text, str) and text.count(_PROBE_FUNCTION) >= 2 and "probe_value_k3" in text
+            and "probe_result_w5" in text)
+
 
 @dataclass(frozen=True)
 class CatalogEntry:
@@ -87,6 +147,9 @@ class CatalogEntry:
     size_bytes: int
     # what trainer.packcheck measured at `models add`; None for entries added without it
     packing_check: dict[str, Any] | None = None
+    # whether its chat template renders tool calling (renders_tools), found at `models add`;
+    # None for entries added without the check (the gateway then asks the tokenizer)
+    tool_calling: bool | None = None
 
 
 def _files(directory: Path) -> list[Path]:
@@ -189,6 +252,13 @@ def check_chat_template(path: str | Path, name: str) -> None:
         )
 
 
+def _tool_calling(path: Path) -> bool:
+    """:func:`renders_tools` of the tokenizer saved at ``path``."""
+    from transformers import AutoTokenizer  # lazy: transformers
+
+    return renders_tools(AutoTokenizer.from_pretrained(path))
+
+
 def check_model(path: Path, name: str) -> dict[str, Any]:
     """The check ``add`` runs by default: a verified family, a chat template, then the packed-loss
     check against eager attention (``trainer.packcheck.check_packing``), whose record it returns.
@@ -241,6 +311,7 @@ def add(
             datetime.now(UTC).isoformat(timespec="seconds"),
             size,
             checked,
+            _tool_calling(final) if check else None,
         )
         index = {"version": 1, "models": [asdict(e) for e in entries + [entry]]}
         write_atomic(root / INDEX, json.dumps(index, indent=1).encode(), mode=0o644)
@@ -314,7 +385,7 @@ def make_tiny(out_dir: str | Path, seed: int = 0) -> Path:
     """Build a tiny random Llama + byte-level BPE tokenizer offline, deterministically.
 
     hidden 128, 2 layers, vocab 2048 (~0.9M parameters), ChatML template with
-    ``{% generation %}`` marks. Returns ``out_dir``.
+    ``{% generation %}`` marks that renders tool calling (``CHATML_TOOLS_TEMPLATE``). Returns ``out_dir``.
     """
     import torch  # lazy: torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -340,7 +411,7 @@ def make_tiny(out_dir: str | Path, seed: int = 0) -> Path:
         pad_token="<|endoftext|>",
         unk_token=None,
     )
-    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.chat_template = CHATML_TOOLS_TEMPLATE
     tokenizer.model_max_length = 2048
     tokenizer.save_pretrained(out)
     config = LlamaConfig(

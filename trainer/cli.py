@@ -107,6 +107,9 @@ def add_cmd(path: Path, name: str, root: Path) -> None:
 
 
 def _echo_check(entry: catalog.CatalogEntry) -> None:
+    if entry.tool_calling is not None:
+        click.echo("tool calling: " + ("its chat template renders tools and tool calls" if entry.tool_calling else
+                                       "no (its chat template ignores tools: tool-calling files are refused on it)"))
     check = entry.packing_check
     if check:
         paths = ", ".join(check.get("attention") or []) or "?"
@@ -123,7 +126,7 @@ def _echo_check(entry: catalog.CatalogEntry) -> None:
 @_ROOT
 @click.option("--json", "as_json", is_flag=True, help="print a JSON list of catalog entries")
 def list_cmd(root: Path, as_json: bool) -> None:
-    """List registered models: name, digest, size, added at."""
+    """List registered models: name, digest, size, added at, tool calling (yes, no, ? not checked)."""
     try:
         entries = catalog.list_models(root)
     except TrainerError as e:
@@ -132,7 +135,8 @@ def list_cmd(root: Path, as_json: bool) -> None:
         click.echo(json.dumps([{**asdict(e), "path": str(Path(root) / e.path)} for e in entries], indent=2))
         return
     for entry in entries:
-        click.echo(f"{entry.name}\t{entry.digest}\t{entry.size_bytes}\t{entry.added_at}")
+        tools = {True: "tools", False: "no-tools", None: "tools?"}[entry.tool_calling]
+        click.echo(f"{entry.name}\t{entry.digest}\t{entry.size_bytes}\t{entry.added_at}\t{tools}")
 
 
 @models.command("make-tiny")

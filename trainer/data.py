@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from trainer.catalog import renders_tools
 from trainer.contract.errors import DatasetError
 from trainer.contract.lines import CHAT, Chat, LineError, LineReader, Preference
 from trainer.packing import Example, mask_from_spans, mask_runs
@@ -41,8 +42,9 @@ class Conversation:
     """One validated dataset line."""
 
     line: int
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     weights: list[int]  # one per assistant message, in order
+    tools: list[dict[str, Any]] | None = None   # the line's function schemas (``tools=`` of the template)
 
 
 def sha256_file(path: str | Path) -> str:
@@ -96,7 +98,8 @@ def read_lines(path: str | Path, what: str, fmt: str) -> Iterator[tuple[int, Cha
 
 def read_conversations(path: str | Path, what: str) -> list[Conversation]:
     """Read and validate every line of a chat JSONL file (blank lines are skipped). A message's
-    ``name`` is accepted and dropped: the chat template renders role and content only.
+    ``name`` is accepted and dropped: the chat template renders role and content only (and a
+    tool-calling line's calls, answers and tools, ``Chat.conversations``).
 
     Raises:
         DatasetError: naming the first invalid line (never its text).
@@ -104,7 +107,7 @@ def read_conversations(path: str | Path, what: str) -> list[Conversation]:
     conversations = []
     for number, chat in read_lines(path, what, CHAT):
         assert isinstance(chat, Chat)  # a CHAT reader reads chat lines only
-        conversations.append(Conversation(number, [m.turn() for m in chat.messages], chat.weights))
+        conversations.append(Conversation(number, chat.conversations()[0], chat.weights, chat.tool_schemas()))
     if not conversations:
         raise DatasetError(f"{what} dataset {path}: no examples")
     return conversations
@@ -143,7 +146,8 @@ def _prefix_length(text: str, ids: list[int], prefix: str, tokenizer: ChatTokeni
 
 
 def _spans_by_prefix(
-    tokenizer: ChatTokenizer, messages: list[dict[str, str]], text: str, ids: list[int], where: str
+    tokenizer: ChatTokenizer, messages: list[dict[str, Any]], text: str, ids: list[int], where: str,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[tuple[int, int]]:
     """Locate each assistant message of ``text`` (tokens ``ids``) by rendering up to it.
 
@@ -158,8 +162,8 @@ def _spans_by_prefix(
         if message["role"] != "assistant":
             continue
         n += 1
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False).rstrip()
+        before = tokenizer.apply_chat_template(messages[:i], tools=tools, tokenize=False, add_generation_prompt=True)
+        upto = tokenizer.apply_chat_template(messages[: i + 1], tools=tools, tokenize=False).rstrip()
         start = _prefix_length(text, ids, before, tokenizer, where, f"start of assistant message {n}")
         end = _prefix_length(text, ids, upto, tokenizer, where, f"end of assistant message {n}")
         spans.append((start, max(start, end)))
@@ -191,6 +195,22 @@ def require_chat_template(tokenizer: ChatTokenizer) -> None:
         )
 
 
+def require_tool_template(tokenizer: ChatTokenizer, conversations: list[Conversation], what: str) -> None:
+    """Refuse a tool-calling file on a base model whose chat template does not render tools
+    (``trainer.catalog.renders_tools``): it would train the calls as empty turns. The gateway
+    refuses such a job at create; this holds for a spec that reached a node another way.
+
+    Raises:
+        DatasetError: naming the first line that declares tools, and the model.
+    """
+    first = next((c.line for c in conversations if c.tools), None)
+    if first is not None and not renders_tools(tokenizer):
+        raise DatasetError(
+            f"{what} dataset line {first} declares tools, but the chat template of base model "
+            f"{model_label(tokenizer)} does not render tools or tool calls; pick a base model whose "
+            "template does (GET /v1/models shows capabilities.tool_calling), or leave tool calls out")
+
+
 def tokenize_conversation(tokenizer: ChatTokenizer, conversation: Conversation, what: str) -> Example:
     """Tokenize with the base model's chat template; mask = trained assistant tokens.
 
@@ -202,7 +222,7 @@ def tokenize_conversation(tokenizer: ChatTokenizer, conversation: Conversation, 
     messages = conversation.messages
     if has_generation_marks(tokenizer):
         out = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            messages, tools=conversation.tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )
         ids = list(out["input_ids"])
         mask = list(out["assistant_masks"])
@@ -211,9 +231,9 @@ def tokenize_conversation(tokenizer: ChatTokenizer, conversation: Conversation, 
             return Example(tuple(ids), tuple(mask_from_spans(len(ids), spans, conversation.weights)), conversation.line)
         if all(conversation.weights):
             return Example(tuple(ids), tuple(mask), conversation.line)
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, tools=conversation.tools, tokenize=False)
     ids = _encode(tokenizer, text)
-    spans = _spans_by_prefix(tokenizer, messages, text, ids, where)
+    spans = _spans_by_prefix(tokenizer, messages, text, ids, where, conversation.tools)
     mask = mask_from_spans(len(ids), spans, conversation.weights)
     return Example(tuple(ids), tuple(mask), conversation.line)
 
@@ -224,8 +244,10 @@ def tokenize_all(
     """Tokenize every conversation; refuse any longer than ``max_seq_len``.
 
     Raises:
-        DatasetError: naming the line and its token count.
+        DatasetError: naming the line and its token count, or the base model when the file calls
+            tools and its chat template cannot render them.
     """
+    require_tool_template(tokenizer, conversations, what)
     examples = []
     for conversation in conversations:
         example = tokenize_conversation(tokenizer, conversation, what)

@@ -23,7 +23,7 @@ def _catalog(settings: Any) -> list[dict[str, Any]]:
     for e in catalog.list_models(settings.models_root):
         created = int(datetime.fromisoformat(e.added_at).timestamp()) if e.added_at else 0
         out.append({"id": e.name, "object": "model", "created": created, "owned_by": "system",
-                    "digest": e.digest})
+                    "digest": e.digest, "capabilities": {"tool_calling": e.tool_calling}})
     return out
 
 

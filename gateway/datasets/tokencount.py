@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Sequence
@@ -56,25 +57,43 @@ class HFTokenCounter:
         return {role: max(0, n) + 2 for role, n in over.items()}
 
     def bound(self, messages: list[dict[str, Any]]) -> int | None:
-        """An upper bound on the example's tokens from its content bytes; None when this tokenizer has none."""
+        """An upper bound on the example's tokens from its content bytes; None when this tokenizer has
+        none, or the example calls tools (its calls and tool turns are counted exactly)."""
         if self._overhead is None:
             return None
         o = self._overhead
+        if any(m["role"] not in o or "tool_calls" in m for m in messages):
+            return None
         return 8 + sum(len(m["content"].encode()) + o[m["role"]] for m in messages)
 
-    def count(self, conversations: Sequence[list[dict[str, Any]]]) -> list[tuple[int, int]]:
-        """(total tokens, assistant content tokens) per conversation, each batch tokenized at once."""
-        convs = [[{"role": m["role"], "content": m["content"]} for m in c] for c in conversations]
-        texts = self.tok.apply_chat_template(convs, tokenize=False)
+    def count(self, conversations: Sequence[list[dict[str, Any]]],
+              tools: Sequence[list[dict[str, Any]] | None] | None = None) -> list[tuple[int, int]]:
+        """(total tokens, assistant tokens) per conversation (``tools``: each one's function schemas,
+        or None); those without tools are rendered in one batch, each with tools alone (the
+        template takes one ``tools=`` per call). An assistant's tokens are its content's and its
+        calls' (name and arguments as JSON)."""
+        convs = list(conversations)
+        schemas = list(tools) if tools is not None else [None] * len(convs)
+        plain = [i for i, t in enumerate(schemas) if not t]
+        texts: list[str] = [""] * len(convs)
+        if plain:
+            for i, text in zip(plain, self.tok.apply_chat_template([convs[i] for i in plain], tokenize=False),
+                               strict=True):
+                texts[i] = text
+        for i, t in enumerate(schemas):
+            if t:
+                texts[i] = str(self.tok.apply_chat_template(convs[i], tools=list(t), tokenize=False))
         backend = self.tok.backend_tokenizer
         encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # no offsets: faster
-        totals = [len(e.ids) for e in encode(list(texts), add_special_tokens=False)]
+        totals = [len(e.ids) for e in encode(texts, add_special_tokens=False)]
         owners, contents = [], []
         for i, c in enumerate(convs):
             for m in c:
                 if m["role"] == "assistant":
                     owners.append(i)
-                    contents.append(m["content"])
+                    contents.append(m["content"] + "".join(
+                        json.dumps({"name": call["function"]["name"], "arguments": call["function"]["arguments"]})
+                        for call in m.get("tool_calls", ())))
         assistant = [0] * len(convs)
         if contents:
             for i, e in zip(owners, encode(contents, add_special_tokens=False), strict=True):

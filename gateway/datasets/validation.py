@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
-from trainer.contract.lines import CHAT, PREFERENCE, Example, Kind, LineError, LineReader, Preference
+from trainer.contract.lines import CHAT, PREFERENCE, Chat, Example, Kind, LineError, LineReader, Preference
 from trainer.contract.spec import HYPERPARAMETER_DEFAULTS
 
 DEFAULT_EPOCHS = HYPERPARAMETER_DEFAULTS["epochs"]   # the estimate's: the trainer's default
@@ -62,8 +62,10 @@ class TokenCounter(Protocol):
 
     name: str
 
-    def count(self, conversations: Sequence[list[dict[str, Any]]]) -> list[tuple[int, int]]:
-        """(total tokens, assistant tokens) per conversation."""
+    def count(self, conversations: Sequence[list[dict[str, Any]]],
+              tools: Sequence[list[dict[str, Any]] | None] | None = None) -> list[tuple[int, int]]:
+        """(total tokens, assistant tokens) per conversation (``tools``: each one's function schemas
+        or None; given only when a batch holds a tool-calling line)."""
         ...
 
     def bound(self, messages: list[dict[str, Any]]) -> int | None:
@@ -142,8 +144,13 @@ class Validator:
     # object holding either's keys
     reader: LineReader = field(default_factory=LineReader, init=False)
     _seen: dict[bytes, int] = field(default_factory=dict)
-    # (line, conversations to count: 1 for chat, 2 for a pair, weight, is a pair)
-    _pending: list[tuple[int, list[list[dict[str, Any]]], int, bool]] = field(default_factory=list)
+    # (line, conversations to count: 1 for chat, 2 for a pair, weight, is a pair, tool schemas or None)
+    _pending: list[tuple[int, list[list[dict[str, Any]]], int, bool, list[dict[str, Any]] | None]] = \
+        field(default_factory=list)
+    _tool_lines: int = 0          # lines that declare tools
+    _tool_calls: int = 0          # the calls their assistant messages make
+    _calling_lines: int = 0       # lines with at least one call
+    _max_calls: int = 0
     _sample: list[tuple[int, int]] = field(default_factory=list)   # (tokens, weight)
     _assistant_tokens: int = 0
     _sides: _Sides = field(default_factory=_Sides)
@@ -190,14 +197,21 @@ class Validator:
         if example.chars < SHORT_CHARS:
             what = "pair (prompt + shorter side under" if isinstance(example, Preference) else "example (under"
             self._warn(lineno, Warn.VERY_SHORT, f"very short {what} {SHORT_CHARS} characters of content)")
+        tools = example.tool_schemas()
+        if tools:
+            calls = example.calls if isinstance(example, Chat) else 0
+            self._tool_lines += 1
+            self._tool_calls += calls
+            self._calling_lines += 1 if calls else 0
+            self._max_calls = max(self._max_calls, calls)
         if self.counter is None:
             return
         convs: list[list[dict[str, Any]]] = example.conversations()
         weight = _sample_weight(index)
-        bound = self._bound(convs) if weight == 0 else None
+        bound = self._bound(convs) if weight == 0 and not tools else None
         if weight or bound is None or bound > self.max_seq_len:
             # counted exactly: sampled for statistics, or possibly over the length limit
-            self._pending.append((lineno, convs, weight, isinstance(example, Preference)))
+            self._pending.append((lineno, convs, weight, isinstance(example, Preference), tools))
             if len(self._pending) >= TOKEN_BATCH:
                 self._count_tokens()
 
@@ -214,10 +228,14 @@ class Validator:
 
     def _count_tokens(self) -> None:
         assert self.counter is not None
-        counts = self.counter.count([c for _, convs, _, _ in self._pending for c in convs])
+        convs_all = [c for _, convs, _, _, _ in self._pending for c in convs]
+        if any(tools for *_, tools in self._pending):
+            counts = self.counter.count(convs_all, tools=[t for _, convs, _, _, t in self._pending for _ in convs])
+        else:
+            counts = self.counter.count(convs_all)
         self.exact_checks += len(counts)
         at = 0
-        for lineno, convs, weight, is_pair in self._pending:
+        for lineno, convs, weight, is_pair, _ in self._pending:
             got = counts[at:at + len(convs)]
             at += len(convs)
             if weight:
@@ -243,6 +261,15 @@ class Validator:
                 "assistant": self._assistant_tokens, "exact": exact,
                 "sampled_examples": len(pairs)}
 
+    def _tool_stats(self) -> dict[str, Any] | None:
+        """Tool calling in the file: lines that declare tools, their calls; None when none does."""
+        if not self._tool_lines:
+            return None
+        return {"lines_with_tools": self._tool_lines, "lines_with_calls": self._calling_lines,
+                "tool_calls": self._tool_calls,
+                "calls_per_line": round(self._tool_calls / self._tool_lines, 2),
+                "max_calls_per_line": self._max_calls}
+
     def finish(self, *, total_bytes: int, over_limit: int | None = None) -> dict[str, Any]:
         """Close the stream; return the report (``over_limit``: the byte limit that was hit)."""
         if self._pending:
@@ -267,6 +294,7 @@ class Validator:
             "tokens": tokens,
             "preference": (self._sides.report(self.examples, self.counter is not None)
                            if self.reader.format == PREFERENCE else None),
+            "tools": self._tool_stats(),
             "estimated_training_tokens": tokens["total"] * DEFAULT_EPOCHS if tokens else None,
             "estimated_epochs": DEFAULT_EPOCHS,
         }

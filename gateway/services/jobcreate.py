@@ -20,6 +20,7 @@ from sqlmodel import Session, col, select
 
 from gateway.access.tokens import Principal, who
 from gateway.config import Settings
+from gateway.datasets.tokencount import counter_for
 from gateway.errors import Conflict, NotFound, ServiceError, SlurmError, TooManyJobs
 from gateway.models import DataFile, FileStatus, FineTuningJob, utcnow
 from gateway.services import autohp, retention, tracking
@@ -123,6 +124,35 @@ def _fits_method(row: DataFile, method: str, param: str) -> None:
                 "preference": "preference pairs ({\"input\", \"preferred_output\", \"non_preferred_output\"})"}
         raise ServiceError(f"{param} {row.id} holds {what[have]}, but a {method} job trains on {what[want]}",
                            param=param, code="invalid_file")
+
+
+def _tool_lines(row: DataFile) -> int:
+    """How many lines of file ``row`` declare tools (its validation's ``stats.tools``)."""
+    return int((((row.validation or {}).get("stats") or {}).get("tools") or {}).get("lines_with_tools") or 0)
+
+
+def tools_fit(settings: Settings, entry: CatalogEntry, files: dict[str, DataFile | None]) -> None:
+    """ServiceError (400, ``model_cannot_call_tools``) when a file of ``files`` (by request field)
+    declares tools and base model ``entry``'s chat template does not render them
+    (``CatalogEntry.tool_calling``, found at ``models add``; asked of the tokenizer for an entry
+    added before it): its calls would train as empty turns."""
+    param = next((p for p, row in files.items() if row is not None and _tool_lines(row)), None)
+    if param is None or entry.tool_calling:
+        return
+    base = entry.name
+    if entry.tool_calling is None:
+        from trainer import catalog  # lazy: the trainer side (catalog), only for a tool-calling file
+
+        counter = counter_for(settings.models_root, base)
+        if counter is not None and catalog.renders_tools(counter.tok):
+            return
+    row = files[param]
+    assert row is not None
+    raise ServiceError(f"{param} {row.id} has {_tool_lines(row)} line(s) that declare tools, but the chat "
+                       f"template of base model {base} does not render tools or tool calls, so they cannot "
+                       "be trained; pick a base model whose template does (GET /v1/models shows "
+                       "capabilities.tool_calling), or leave the tool calls out",
+                       param="model", code="model_cannot_call_tools")
 
 
 def check_resources(settings: Settings, gpus: int, nodes: int, fsdp: bool = False) -> None:
@@ -281,6 +311,7 @@ def prepare_job(*, session: Session, settings: Settings, principal: Principal, r
         raise ServiceError(f"the base model {base} changed since {model} was trained (digest "
                            f"{parent.model_digest}, now {entry.digest}): its adapter does not fit the new base",
                            param="model", code="model_changed")
+    tools_fit(settings, entry, {"training_file": train, "validation_file": val})
     if req.seed is not None:
         hp["seed"] = req.seed
     check_resources(settings, req.gpus, req.nodes, req.fsdp)

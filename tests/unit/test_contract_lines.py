@@ -208,7 +208,7 @@ def _messages_of(example: Chat | PreferenceLine) -> tuple[Any, ...]:
 def _as_read(fmt: str, example: Chat | PreferenceLine) -> tuple[Any, ...]:
     """The gateway's example as the trainer's record holds it."""
     if isinstance(example, Chat):
-        return ([m.turn() for m in example.messages], example.weights)
+        return (example.conversations()[0], example.weights)
     return ([m.turn() for m in example.prompt], example.chosen, example.rejected)
 
 

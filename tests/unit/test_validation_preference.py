@@ -115,7 +115,7 @@ def test_each_error_class_at_its_own_line() -> None:
     too_long = next(e for e in report["errors"] if e["kind"] == "example_too_long")
     assert too_long["message"] == f"prompt + longer side is 309 tokens; the maximum sequence length is {MAX}"
     tools = next(e for e in report["errors"] if e["line"] == want[6][0])
-    assert "tools are not supported" in tools["message"]
+    assert "a preference pair takes no tools" in tools["message"]
 
 
 def test_messages_never_quote_the_data() -> None:
