@@ -10,11 +10,12 @@ due ``MlflowRun`` as far as it can, in this order, each step recorded once it su
 2. the parameters (``runs/log-batch``): the job id, model, files, method, resources and every
    hyperparameter;
 3. the job's metrics events after ``event_cursor`` (each step's ``train_loss``, ``lr``, ``tokens_per_s``,
-   ...; each eval's ``valid_*``), in batches (``runs/log-batch`` with each point's own step and the
-   time the gateway read it), moving the cursor past each batch once the server took it;
-4. once the job has ended and every event is logged: the final eval (``final_valid_*``, from the
-   job's ``after`` eval), ``trained_tokens``, a ``slurm_finetune.status`` tag, and the run's status
-   (FINISHED, FAILED or KILLED, ``state.MLFLOW_END``) with the job's end time (``runs/update``).
+   ...; each eval's ``valid_*``, the final eval's ``final_valid_*``), in batches (``runs/log-batch`` with
+   each point's own step and the time the gateway read it), moving the cursor past each batch once the
+   server took it;
+4. once the job has ended and every event is logged: ``trained_tokens``, a ``slurm_finetune.status`` tag,
+   and the run's status (FINISHED, FAILED or KILLED, ``state.MLFLOW_END``) with the job's end time
+   (``runs/update``).
 
 A server that is down, slow or refusing costs the run a back-off (``mlflow_retry_base_s`` x 2^(n-1), at
 most ``mlflow_max_backoff_s``); when it answers again the history is logged point for point from the
@@ -49,10 +50,7 @@ API = "/api/2.0/mlflow/"
 EVENTS_PER_BATCH = 150      # a step event carries a handful of metrics: MLflow takes 1000 a request
 MAX_BATCHES_PER_PASS = 20   # one run's backlog never holds up the others for long
 PARAM_CHARS = 6000          # MLflow's longest parameter value
-NOT_METRICS = frozenset({"step", "total_steps"})
-FINAL_EVAL = {"loss": "final_valid_loss", "perplexity": "final_valid_perplexity",
-              "token_accuracy": "final_valid_mean_token_accuracy", "reward_margin": "final_valid_reward_margin",
-              "reward_accuracy": "final_valid_reward_accuracy"}
+NOT_METRICS = frozenset({"step", "total_steps", "when"})
 
 
 class MlflowError(Exception):
@@ -130,10 +128,13 @@ def _num(v: Any) -> float | None:
 
 def event_metrics(ev: JobEvent) -> list[dict[str, Any]]:
     """The MLflow metrics of one job event: each numeric field of a ``metrics`` event's data but its step
-    (``train_loss``, ``lr``, ``valid_loss``, ...), at that step and the time the gateway read it."""
+    (``train_loss``, ``lr``, ``valid_loss``, ...), at that step and the time the gateway read it; the final
+    eval's (``when: after``) as ``final_valid_*``: it often repeats the last step's eval in the same
+    millisecond, and MLflow keeps one of two equal points."""
     data = ev.data or {}
     step = data.get("step") if isinstance(data.get("step"), int) and not isinstance(data.get("step"), bool) else 0
-    return [{"key": k, "value": v, "timestamp": _ms(ev.created_at), "step": step}
+    prefix = "final_" if data.get("when") == "after" else ""
+    return [{"key": prefix + k, "value": v, "timestamp": _ms(ev.created_at), "step": step}
             for k, raw in data.items() if k not in NOT_METRICS and (v := _num(raw)) is not None]
 
 
@@ -157,18 +158,17 @@ def run_tags(job: FineTuningJob, settings: Settings) -> list[dict[str, str]]:
 
 
 def final_metrics(job: FineTuningJob) -> list[dict[str, Any]]:
-    """The ended job's final eval (its ``after`` eval) as ``final_valid_*``, and its trained tokens."""
+    """What the ended job adds to its events' metrics: its trained tokens, at its last step."""
+    if job.trained_tokens is None:
+        return []
+    return [{"key": "trained_tokens", "value": float(job.trained_tokens), "timestamp": _ms(job.finished_at or utcnow()),
+             "step": int(_num((job.progress or {}).get("step")) or 0)}]
+
+
+def final_valid_loss(job: FineTuningJob) -> float | None:
+    """The job's final validation loss (its ``after`` eval), or None."""
     evals = [e for e in (job.progress or {}).get("evals") or [] if isinstance(e, dict) and e.get("when") == "after"]
-    ts = _ms(job.finished_at or utcnow())
-    out: list[dict[str, Any]] = []
-    if evals:
-        step = evals[-1].get("step") if isinstance(evals[-1].get("step"), int) else 0
-        out += [{"key": name, "value": v, "timestamp": ts, "step": step}
-                for k, name in FINAL_EVAL.items() if (v := _num(evals[-1].get(k))) is not None]
-    if job.trained_tokens is not None:
-        out.append({"key": "trained_tokens", "value": float(job.trained_tokens), "timestamp": ts,
-                    "step": _num((job.progress or {}).get("step")) or 0})
-    return out
+    return _num(evals[-1].get("loss")) if evals else None
 
 
 def backoff_s(attempts: int, settings: Settings) -> float:
@@ -323,8 +323,7 @@ def _end_parents(s: Session, settings: Settings, transport: Transport | None) ->
             _save(s, parent)
             continue
         jobs = [j for c in children if (j := s.get(FineTuningJob, c.job_id)) is not None]
-        losses = [m["value"] for j in jobs if j.status == JobState.SUCCEEDED
-                  for m in final_metrics(j) if m["key"] == "final_valid_loss"]
+        losses = [loss for j in jobs if j.status == JobState.SUCCEEDED and (loss := final_valid_loss(j)) is not None]
         ended = max((j.finished_at for j in jobs if j.finished_at), default=utcnow())
         try:
             client = Client(parent.tracking_uri, tracking.credentials(parent, settings), settings,

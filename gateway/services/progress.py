@@ -22,6 +22,9 @@ from gateway.storage.verbs import tenant_json
 DPO_EVAL = ("reward_margin", "reward_accuracy", "logp_accuracy", "chosen_reward", "rejected_reward")
 """The eval record's DPO metrics (trainer.dpo.preference_metrics), kept in the job's progress."""
 
+EVAL_WHEN = ("before", "step", "after")
+"""When the trainer evaluates (its eval record's ``when``): before training, every ``eval_every_steps``, at the end."""
+
 # trainer phases → the job's phase ("saving", and DPO's "reference" pass, are shown as the evaluating phase)
 PHASES = {"tokenizing": "tokenizing", "reference": "evaluating", "training": "training",
           "evaluating": "evaluating", "saving": "evaluating"}
@@ -111,7 +114,8 @@ def _one_event(s: Session, job: FineTuningJob, ev: dict[str, Any], progress: dic
                  f"reward margin={_loss(dpo.get('reward_margin'))}") if dpo else ""
         add_event(s, job.id, f"Eval ({ev.get('when')}, step {_int(ev.get('step'))}): loss={_loss(ev.get('loss'))}"
                   f"{extra}", type_="metrics",
-                  data={"step": ev.get("step"), "valid_loss": ev.get("loss"),
+                  data={"step": ev.get("step"), "when": ev.get("when") if ev.get("when") in EVAL_WHEN else None,
+                        "valid_loss": ev.get("loss"),
                         "valid_mean_token_accuracy": ev.get("token_accuracy"),
                         **{f"valid_{k}": v for k, v in dpo.items()}})
     elif kind == "checkpoint":

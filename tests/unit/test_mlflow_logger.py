@@ -105,8 +105,8 @@ def _steps(engine: Any, job_id: str, steps: range, *, evals: bool = False) -> No
                       data={"step": n, "total_steps": 9, "train_loss": 3.0 - n / 10, "lr": 1e-4 * n,
                             "tokens_per_s": 100.0 + n})
             if evals and n % 3 == 0:
-                add_event(s, job_id, f"Eval {n}", type_="metrics", data={"step": n, "valid_loss": 2.5 - n / 10,
-                                                                       "valid_mean_token_accuracy": None})
+                add_event(s, job_id, f"Eval {n}", type_="metrics", data={
+                    "step": n, "when": "step", "valid_loss": 2.5 - n / 10, "valid_mean_token_accuracy": None})
         add_event(s, job_id, "Checkpoint saved")        # not a metrics event: not logged
         s.commit()
 
@@ -119,6 +119,9 @@ def _end(engine: Any, job_id: str, state: JobState) -> None:
         job.progress = {"step": 9, "evals": [{"when": "before", "step": 0, "loss": 3.1},
                                              {"when": "after", "step": 9, "loss": 1.5, "perplexity": 4.48}]}
         s.add(job)
+        # the final eval often repeats the last step's in the same millisecond: MLflow would keep one of the two
+        add_event(s, job_id, "Eval (step)", type_="metrics", data={"step": 9, "when": "step", "valid_loss": 1.5})
+        add_event(s, job_id, "Eval (after)", type_="metrics", data={"step": 9, "when": "after", "valid_loss": 1.5})
         s.commit()
 
 
@@ -230,6 +233,7 @@ def test_the_run_gets_params_tags_and_every_metric_point_then_the_end_status(env
         (e.data["step"], e.data["train_loss"], int(e.created_at.timestamp() * 1000)) for e in events]
     assert run["status"] == "FINISHED" and run["end_time"] and run["tags"]["slurm_finetune.status"] == "succeeded"
     assert run["metrics"]["final_valid_loss"] == [(9, 1.5, run["metrics"]["final_valid_loss"][0][2])]
+    assert [(s, v) for s, v, _ in run["metrics"]["valid_loss"]] == [(3, 2.5 - 0.3), (9, 1.5)]
     assert run["metrics"]["trained_tokens"][0][1] == 4096.0
     row = _row(engine, job_id)
     assert row.status == TrackingState.DONE and row.run_id == rid and row.experiment_id == fake.experiments["exp"]
