@@ -87,3 +87,20 @@ def test_template_without_tools_is_refused_naming_line_and_model(tiny: Tiny) -> 
         tokenize_all(_tokenizer(tiny, CHATML_TEMPLATE), conversations, 512, "train")
     assert "train dataset line 2 declares tools" in str(e.value) and "does not render tools" in str(e.value)
     assert "get_weather" not in str(e.value)       # never the data
+
+
+def test_smollm2s_real_template_renders_no_tools_so_a_tool_file_is_refused_on_it() -> None:
+    """The packaged real model: SmolLM2-135M-Instruct's own chat template (as its GGUF ships it, and
+    as the catalog's marked copy renders it) ignores ``tools`` and ``tool_calls``, so the probe says
+    no and the trainer refuses a tool-calling file on it by name instead of training empty turns."""
+    from transformers import AutoTokenizer
+
+    from trainer.catalog import SMOLLM2_TEMPLATE, find_smollm2_gguf
+
+    gguf = find_smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    assert renders_tools(tok) is False
+    with pytest.raises(DatasetError, match="line 1 declares tools, but the chat template of base model"):
+        tokenize_all(tok, [_conversation(toy_tool_conversations(1)[0])], 2048, "train")
+    tok.chat_template = SMOLLM2_TEMPLATE
+    assert renders_tools(tok) is False
