@@ -340,6 +340,7 @@ def estimate_job(*, session: Session, settings: Settings, principal: Principal, 
                  submit: Submit) -> dict[str, Any]:
     """A dry run of ``create_job``: the same checks and admission (the same errors), nothing written
     or submitted; returns what the job would take and when it would start (``Submitter.expected_start``)."""
+    tracking.parse(req.integrations, settings)
     job, spec = prepare_job(session=session, settings=settings, principal=principal, req=req, submit=submit,
                             check_memory=False)
     minutes = job.time_limit_min or 60

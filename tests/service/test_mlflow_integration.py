@@ -56,8 +56,10 @@ def _body(gw: Gateway, integrations: list[Any]) -> dict[str, Any]:
     ({"type": "mlflow", "mlflow": {"tracking_uri": URI}}, "integrations[0].mlflow.experiment"),
 ])
 def test_a_wrong_integration_is_a_400_naming_it(gw_ml: Gateway, integration: dict[str, Any], param: str) -> None:
-    r = gw_ml.client.post(JOBS, headers=gw_ml.auth(TENANT_A), json=_body(gw_ml, [integration]))
-    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    body = _body(gw_ml, [integration])
+    for url in (JOBS, f"{JOBS}/estimate"):          # the estimate answers the same body with the same errors
+        r = gw_ml.client.post(url, headers=gw_ml.auth(TENANT_A), json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_an_mlflow_integration_is_recorded_sealed_and_shown_without_credentials(gw_ml: Gateway) -> None:
