@@ -268,17 +268,26 @@ def _transport(run: MlflowRun | MlflowParentRun, settings: Settings) -> Transpor
     return netguard.PinnedTransport(tracking.dial_addresses(run.tracking_uri, settings))
 
 
-def log_due(engine: Any, settings: Settings, *, transport: Transport | None = None, limit: int = 50) -> int:
-    """Advance every due MLflow run (see the module doc), at most ``limit``; returns how many it completed.
-    ``transport`` replaces the pinned connection to each server (tests)."""
+def _idle(s: Session, run: MlflowRun, job: FineTuningJob) -> bool:
+    """Whether ``run`` has nothing to log now: created, params logged, its job still going, no new event."""
+    if run.run_id is None or not run.params_logged or JobState(job.status) in TERMINAL:
+        return False
+    return s.exec(select(JobEvent.id).where(JobEvent.job_id == job.id, JobEvent.type == "metrics",
+                                            col(JobEvent.id) > run.event_cursor).limit(1)).first() is None
+
+
+def log_due(engine: Any, settings: Settings, *, transport: Transport | None = None) -> int:
+    """Advance every due MLflow run (see the module doc; each by at most ``MAX_BATCHES_PER_PASS`` batches, so
+    every run gets its turn each pass); returns how many it completed. A run with nothing new costs one
+    query: no connection, no DNS lookup. ``transport`` replaces the pinned connection to each server (tests)."""
     done = 0
     with Session(engine, expire_on_commit=False) as s:
         due = list(s.exec(select(MlflowRun).where(MlflowRun.status == TrackingState.LOGGING,
                                                   col(MlflowRun.next_at) <= utcnow())
-                          .order_by(col(MlflowRun.next_at)).limit(limit)))
+                          .order_by(col(MlflowRun.next_at))))
         for run in due:
             job = s.get(FineTuningJob, run.job_id)
-            if job is None:
+            if job is None or _idle(s, run, job):
                 continue
             try:
                 client = Client(run.tracking_uri, tracking.credentials(run, settings), settings,
