@@ -109,7 +109,7 @@ def test_bad_dataset_is_error_and_not_usable(gw: Gateway) -> None:
     obj = gw.upload(TENANT_A, data).json()
     assert obj["status"] == "error"
     assert obj["validation"]["errors"][0] == {
-        "line": 13, "kind": "bad_role", "message": "messages[0].role is not one of: system, user, assistant"}
+        "line": 13, "kind": "bad_role", "message": "messages[0].role is not one of: system, user, assistant, tool"}
     assert "line 13" in obj["status_details"]
     with Session(gw.app.state.engine) as s:
         assert s.get(DataFile, obj["id"]).status == "error"  # type: ignore[union-attr]
