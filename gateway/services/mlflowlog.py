@@ -32,6 +32,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -43,6 +45,7 @@ from gateway.errors import ServiceError
 from gateway.models import FineTuningJob, JobEvent, MlflowParentRun, MlflowRun, Sweep, utcnow
 from gateway.services import netguard, secretbox, tracking
 from gateway.state import MLFLOW_END, TERMINAL, JobState, MlflowRunStatus, TrackingState
+from gateway.storage.verbs import tenant_json
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +65,18 @@ class MlflowError(Exception):
 
 
 Transport = httpx.BaseTransport
+MAX_ANSWER_BYTES = 1024 * 1024      # MLflow's answers to these calls are a few hundred bytes
+SERVER_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def server_id(value: Any) -> str:
+    """An experiment or run id as the tenant's server gave it, if it is one (1-64 of ``[A-Za-z0-9_-]``, what
+    MLflow makes); MlflowError otherwise: it is stored and sent back, so it is checked like any tenant input."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or not SERVER_ID.fullmatch(value):
+        raise MlflowError(200, "BAD_ANSWER", "the server answered an id that is not an MLflow id")
+    return value
 
 
 class Client:
@@ -75,7 +90,7 @@ class Client:
             headers["authorization"] = f"Bearer {secrets['token']}"
         elif "username" in secrets:
             auth = httpx.BasicAuth(secrets["username"], secrets["password"])
-        self.base = uri.rstrip("/") + API
+        self.base, self.timeout = uri.rstrip("/") + API, settings.mlflow_timeout_s
         self.http = httpx.Client(transport=transport, timeout=settings.mlflow_timeout_s, follow_redirects=False,
                                  trust_env=False, headers=headers, auth=auth)
 
@@ -84,11 +99,21 @@ class Client:
         self.http.close()
 
     def call(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
-        """The JSON answer of ``method path``; MlflowError for an error answer, httpx.HTTPError for no answer."""
-        r = self.http.request(method, self.base + path, **kw)
+        """The JSON answer of ``method path``; MlflowError for an error answer or one over ``MAX_ANSWER_BYTES``
+        or ``timeout`` x 3 in all (the server is the tenant's: it may drip or flood), httpx.HTTPError for none."""
+        deadline = time.monotonic() + 3 * self.timeout
+        with self.http.stream(method, self.base + path, **kw) as r:
+            raw = bytearray()
+            for chunk in r.iter_bytes():
+                raw += chunk
+                if len(raw) > MAX_ANSWER_BYTES or time.monotonic() > deadline:
+                    raise MlflowError(r.status_code, "ANSWER_REFUSED", f"over {MAX_ANSWER_BYTES} bytes or "
+                                      f"{3 * self.timeout:.0f}s: not read further")
         try:
-            body = r.json() if r.content else {}
+            body = tenant_json(bytes(raw), "mlflow answer") if raw else {}
         except ValueError:
+            if r.is_success:
+                raise MlflowError(r.status_code, "BAD_ANSWER", "the answer is not JSON") from None
             body = {}
         if not r.is_success:
             body = body if isinstance(body, dict) else {}
@@ -99,13 +124,13 @@ class Client:
     def experiment_id(self, name: str) -> str:
         """The id of experiment ``name``, created when there is none."""
         try:
-            return str(self.call("GET", "experiments/get-by-name",
-                                 params={"experiment_name": name})["experiment"]["experiment_id"])
+            return server_id(self.call("GET", "experiments/get-by-name",
+                                       params={"experiment_name": name})["experiment"]["experiment_id"])
         except MlflowError as e:
             if e.code != "RESOURCE_DOES_NOT_EXIST":
                 raise
         try:
-            return str(self.call("POST", "experiments/create", json={"name": name})["experiment_id"])
+            return server_id(self.call("POST", "experiments/create", json={"name": name})["experiment_id"])
         except MlflowError as e:
             if e.code != "RESOURCE_ALREADY_EXISTS":      # another job made it just now
                 raise
@@ -193,7 +218,7 @@ def _parent(s: Session, run: MlflowRun, client: Client) -> MlflowParentRun | Non
     if parent.experiment_id is None:
         parent.experiment_id = client.experiment_id(parent.experiment)
     tags = [{"key": "slurm_finetune.sweep_id", "value": sweep.id}]
-    parent.run_id = str(client.call("POST", "runs/create", json={
+    parent.run_id = server_id(client.call("POST", "runs/create", json={
         "experiment_id": parent.experiment_id, "start_time": _ms(sweep.created_at), "run_name": parent.run_name,
         "tags": tags})["run"]["info"]["run_id"])
     _save(s, parent)
@@ -213,7 +238,7 @@ def _advance(s: Session, run: MlflowRun, job: FineTuningJob, client: Client, set
         body = {"experiment_id": run.experiment_id, "start_time": _ms(job.created_at), "tags": tags}
         if run.run_name:
             body["run_name"] = run.run_name
-        run.run_id = str(client.call("POST", "runs/create", json=body)["run"]["info"]["run_id"])
+        run.run_id = server_id(client.call("POST", "runs/create", json=body)["run"]["info"]["run_id"])
         _save(s, run)
     assert run.run_id is not None
     if not run.params_logged:
@@ -299,6 +324,11 @@ def log_due(engine: Any, settings: Settings, *, transport: Transport | None = No
             except (httpx.HTTPError, MlflowError, ServiceError, secretbox.Unavailable, KeyError, TypeError) as e:
                 _fail(s, run, f"{type(e).__name__}: {e}", settings)
                 continue
+            except Exception as e:       # one tenant's server never stops the pass for the others' runs
+                s.rollback()
+                log.exception("mlflow run of %s failed", run.job_id)
+                _fail(s, run, f"internal error ({type(e).__name__})", settings)
+                continue
             if finished:
                 run.status, run.finished_at = TrackingState.DONE, utcnow()
                 _save(s, run)
@@ -347,6 +377,11 @@ def _end_parents(s: Session, settings: Settings, transport: Transport | None) ->
                 client.close()
         except (httpx.HTTPError, MlflowError, ServiceError, secretbox.Unavailable, KeyError, TypeError) as e:
             _fail(s, parent, f"{type(e).__name__}: {e}", settings)
+            continue
+        except Exception as e:           # as for a job's run: never the end of the pass
+            s.rollback()
+            log.exception("mlflow parent run of %s failed", parent.sweep_id)
+            _fail(s, parent, f"internal error ({type(e).__name__})", settings)
             continue
         parent.status, parent.finished_at = TrackingState.DONE, utcnow()
         _save(s, parent)

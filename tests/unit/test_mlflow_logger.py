@@ -365,3 +365,34 @@ def test_a_sweep_logs_one_parent_run_with_a_child_run_per_job(env: Any) -> None:
     (["failed", "cancelled"], MlflowRunStatus.FAILED)])
 def test_a_sweeps_parent_run_ends_as_its_runs_did(states: list[str], status: MlflowRunStatus) -> None:
     assert mlflowlog.sweep_status(states) == status
+
+
+# ------------------------------------------------------------------ the tenant's server is untrusted
+OTHER = "http://93.184.215.15:5000"
+
+
+@pytest.mark.parametrize("answer", [
+    httpx.Response(200, json={"run": {"info": {"run_id": "r" * 5000}}}),            # an id MLflow never makes
+    httpx.Response(200, json={"run": {"info": {"run_id": "../../x"}}}),
+    httpx.Response(200, content=b"[" * 300_000),                                    # too deep to parse
+    httpx.Response(200, content=b" " * (mlflowlog.MAX_ANSWER_BYTES + 10)),           # too large to read
+])
+def test_a_hostile_server_costs_only_its_own_run_a_back_off(env: Any, answer: httpx.Response) -> None:
+    engine, settings, good = env
+    hostile_job = _job(engine, settings, {"tracking_uri": OTHER, "experiment": "exp"})
+    good_job = _job(engine, settings, {"tracking_uri": URI, "experiment": "exp"})
+    _steps(engine, good_job, range(1, 3))
+
+    def route(request: httpx.Request) -> httpx.Response:
+        if request.url.host == httpx.URL(OTHER).host:
+            if request.url.path.endswith("runs/create"):
+                return answer
+            return httpx.Response(200, json={"experiment": {"experiment_id": "1"}})
+        return good.handle(request)
+
+    mlflowlog.log_due(engine, settings, transport=httpx.MockTransport(route))
+    bad = _row(engine, hostile_job)
+    assert bad.run_id is None and bad.attempts == 1 and bad.status == TrackingState.LOGGING, bad.last_error
+    assert "MlflowError" in (bad.last_error or "")
+    (run,) = good.runs.values()
+    assert len(run["metrics"]["train_loss"]) == 2 and _row(engine, good_job).attempts == 0
