@@ -23,7 +23,7 @@ def _fetch_usage(window: Window, by: str, accounts: tuple[str, ...]) -> UsageRep
     rows = SlurmClient(make_runner(settings)).sacct(window.start, window.end,
                                                     accounts=list(accounts) or None)
     facts = load_gateway_facts(settings.database_url, window)
-    return usage_report(rows, window, by=by, now=now, facts=facts)
+    return usage_report(rows, window, by=by, now=now, facts=facts, accounts=list(accounts) or None)
 
 
 def _window_options(fn):  # type: ignore[no-untyped-def]

@@ -26,6 +26,7 @@ class Cancellation:
     tenant: str
     requested_at: datetime      # the tenant's cancel request reached the gateway
     stopped_at: datetime | None  # Slurm confirmed no process left; None while still stopping
+    qos: str | None = None      # the QOS the gateway submitted it under (groups it --by qos without sacct)
 
     @property
     def stop_latency_s(self) -> float | None:
@@ -42,6 +43,7 @@ class ScrubFailure:
     node: str
     at: datetime
     reason: str
+    qos: str | None = None
 
 
 @dataclass(frozen=True)
@@ -84,13 +86,13 @@ def load_gateway_facts(database_url: str, window: Window) -> GatewayFacts | None
                 col(FineTuningJob.cancel_requested_at) < window.end,
                 col(FineTuningJob.slurm_job_id).is_not(None)))
             cancellations = tuple(Cancellation(int(j.slurm_job_id or 0), names.get(j.tenant_id, "?"),
-                                               j.cancel_requested_at, j.stop_confirmed_at)
+                                               j.cancel_requested_at, j.stop_confirmed_at, j.qos)
                                   for j in cancelled if j.cancel_requested_at is not None)
             failed = s.exec(select(FineTuningJob).where(
                 FineTuningJob.cleanup == Cleanup.FAILED, col(FineTuningJob.finished_at) >= window.start,
                 col(FineTuningJob.finished_at) < window.end))
             scrubs = tuple(ScrubFailure(j.slurm_job_id, names.get(j.tenant_id), str((j.progress or {}).get("node")),
-                                        j.finished_at, "the epilog's scrub failed; the node was drained")
+                                        j.finished_at, "the epilog's scrub failed; the node was drained", j.qos)
                            for j in failed if j.finished_at is not None)
             made = s.exec(select(FineTuningJob.slurm_job_id, FineTuningJob.tenant_id, FineTuningJob.created_by).where(
                 col(FineTuningJob.slurm_job_id).is_not(None), col(FineTuningJob.created_at) < window.end))

@@ -38,16 +38,17 @@ def _num(v: float | None, digits: int) -> float | None:
     return None if v is None else round(v, digits)
 
 
-def usage_dicts(report: UsageReport) -> list[dict[str, Any]]:
-    """One flat dict per group (TOTAL last): what CSV and JSON rows hold."""
-    return [_usage_dict(r) for r in (*report.rows, report.total)]
+def usage_dicts(report: UsageReport, flat: bool = True) -> list[dict[str, Any]]:
+    """One dict per group (TOTAL last): what CSV rows (``flat``: ``states`` as ``COMPLETED=2
+    FAILED=1``) and JSON rows (``states`` an object of counts) hold."""
+    return [_usage_dict(r, flat) for r in (*report.rows, report.total)]
 
 
-def _usage_dict(r: UsageRow) -> dict[str, Any]:
+def _usage_dict(r: UsageRow, flat: bool = True) -> dict[str, Any]:
     return {
         "key": r.key, "gpu_seconds": _num(r.gpu_seconds, 3), "gpu_hours": _num(r.gpu_hours, 6),
         "cpu_seconds": _num(r.cpu_seconds, 3), "cpu_hours": _num(r.cpu_hours, 6), "jobs": r.jobs,
-        "states": " ".join(f"{k}={v}" for k, v in r.states.items()),
+        "states": " ".join(f"{k}={v}" for k, v in r.states.items()) if flat else dict(r.states),
         "waits": r.waits, "wait_p50_s": _num(r.wait_p50_s, 3), "wait_p95_s": _num(r.wait_p95_s, 3),
         "run_p50_s": _num(r.run_p50_s, 3), "run_p95_s": _num(r.run_p95_s, 3), "requeues": r.requeues,
         "cancellations": r.cancellations, "cancel_stop_p50_s": _num(r.cancel_stop_p50_s, 3),
@@ -74,7 +75,7 @@ def _window_line(report: UsageReport | FairshareReport) -> str:
 def usage_text(report: UsageReport, fmt: str) -> str:
     """The usage report in ``fmt`` (table, csv or json)."""
     check_format(fmt)
-    dicts = usage_dicts(report)
+    dicts = usage_dicts(report, flat=fmt != "json")
     if fmt == "json":
         return json.dumps({
             "window": {"start": report.window.start.isoformat(), "end": report.window.end.isoformat()},

@@ -27,6 +27,7 @@ from accounting.gateway_facts import NOT_AVAILABLE, GatewayFacts
 from accounting.window import AccountingError, Window
 from gateway.slurm.records import AcctRecord
 from gateway.state import SlurmState
+from gateway.storage.layout import unix_user_for
 
 GROUPINGS = ("tenant", "user", "person", "qos", "day")
 NOT_VIA_GATEWAY = "(not via the gateway)"
@@ -164,6 +165,14 @@ def _group_key(r: AcctRecord, by: str, facts: GatewayFacts | None = None) -> str
     return value or UNKNOWN
 
 
+def _unix_user(tenant: str | None) -> str | None:
+    """The unix user a tenant's jobs run as (what sacct's User holds), None for no valid tenant."""
+    try:
+        return unix_user_for(tenant) if tenant else None
+    except ValueError:
+        return None
+
+
 def final_runs(records: Iterable[AcctRecord]) -> list[AcctRecord]:
     """One row per job: its last non-REQUEUED run (or its REQUEUED row while the rerun waits)."""
     by_job: dict[str, AcctRecord] = {}
@@ -179,11 +188,15 @@ def _event_time(r: AcctRecord, now: datetime) -> datetime:
 
 
 def usage_report(records: Sequence[AcctRecord], window: Window, *, by: str = "tenant",
-                 now: datetime | None = None, facts: GatewayFacts | None = None) -> UsageReport:
+                 now: datetime | None = None, facts: GatewayFacts | None = None,
+                 accounts: Sequence[str] | None = None) -> UsageReport:
     """Aggregate sacct rows (``sacct --duplicates``: every run) over ``window`` by ``by``.
 
     ``facts`` are the gateway DB's cancellations and scrub failures, or None where
-    that DB is not available (the report then says so). Records the parser skipped
+    that DB is not available (the report then says so); ``accounts``: the report is limited to
+    these accounts (``records`` already are: the facts are filtered to them too). A fact whose job
+    has no sacct row here is grouped by what the gateway knows of it (its tenant; for ``--by user``
+    the tenant's unix user, for ``--by qos`` the QOS it was submitted under). Records the parser skipped
     (``records.skipped``, a ``Rows``) are flagged in ``skipped``, never counted. Raises
     AccountingError for an unknown ``by``.
     """
@@ -193,11 +206,12 @@ def usage_report(records: Sequence[AcctRecord], window: Window, *, by: str = "te
     accs: dict[str, _Acc] = defaultdict(_Acc)
     total = _Acc()
 
-    def key_at(r: AcctRecord | None, t: datetime, tenant: str | None = None) -> str:
+    def key_at(r: AcctRecord | None, t: datetime, tenant: str | None = None, qos: str | None = None) -> str:
         if by == "day":
             return window.clamp(t).date().isoformat()
         if r is None:
-            return (tenant or UNKNOWN) if by == "tenant" else UNKNOWN
+            known = {"tenant": tenant, "user": _unix_user(tenant), "qos": qos}
+            return known.get(by) or UNKNOWN
         return _group_key(r, by, facts)
 
     def both(key: str) -> tuple[_Acc, _Acc]:
@@ -226,7 +240,7 @@ def usage_report(records: Sequence[AcctRecord], window: Window, *, by: str = "te
     for r in final_runs(records):
         for a in both(key_at(r, _event_time(r, now))):
             a.states[r.state] += 1
-    _add_facts(facts, records, window, key_at, both)
+    _add_facts(facts, records, window, key_at, both, accounts)
 
     rows = tuple(accs[k].row(k, facts) for k in sorted(accs))
     return UsageReport(
@@ -238,17 +252,19 @@ def usage_report(records: Sequence[AcctRecord], window: Window, *, by: str = "te
 
 
 def _add_facts(facts: GatewayFacts | None, records: Sequence[AcctRecord], window: Window,
-               key_at: Callable[..., str], both: Callable[[str], tuple[_Acc, _Acc]]) -> None:
-    """Cancellations (by request time) and scrub failures (by report time) inside the window."""
+               key_at: Callable[..., str], both: Callable[[str], tuple[_Acc, _Acc]],
+               accounts: Sequence[str] | None = None) -> None:
+    """Cancellations (by request time) and scrub failures (by report time) inside the window, of
+    ``accounts``' jobs only when the report is limited to them (the gateway DB holds every tenant's)."""
     if facts is None:
         return
     by_id = {r.job_id_raw: r for r in records}
     for c in facts.cancellations:
-        if window.start <= c.requested_at < window.end:
-            for a in both(key_at(by_id.get(c.job_id), c.requested_at, c.tenant)):
+        if window.start <= c.requested_at < window.end and (accounts is None or c.tenant in accounts):
+            for a in both(key_at(by_id.get(c.job_id), c.requested_at, c.tenant, c.qos)):
                 a.cancels.append(c.stop_latency_s)
     for f in facts.scrub_failures:
-        if window.start <= f.at < window.end:
+        if window.start <= f.at < window.end and (accounts is None or f.tenant in accounts):
             rec = by_id.get(f.job_id) if f.job_id is not None else None
-            for a in both(key_at(rec, f.at, f.tenant)):
+            for a in both(key_at(rec, f.at, f.tenant, f.qos)):
                 a.scrubs += 1

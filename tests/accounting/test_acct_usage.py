@@ -155,6 +155,31 @@ def test_gateway_facts_when_present() -> None:
     assert rows["t-acct-a"].cancellations == 1 and rows["t-acct-a"].cancel_stop_p50_s is None
 
 
+def test_a_report_limited_to_an_account_holds_no_other_tenants_facts() -> None:
+    """Issue 35: ``--account t-acct-a`` once listed t-acct-b's row, made of t-acct-b's cancellations and
+    scrub failures (the gateway DB holds every tenant's); sacct rows were filtered, the facts were not."""
+    t = datetime(2026, 11, 30, 6, 20, 12, tzinfo=UTC)
+    facts = GatewayFacts(
+        cancellations=(Cancellation(96, "t-acct-b", t, t.replace(second=17)), Cancellation(999, "t-acct-a", t, None)),
+        scrub_failures=(ScrubFailure(94, "t-acct-b", "vm-n1", t, "gpu not clean"),))
+    only_a = [r for r in sacct("sacct_final.txt") if r.account == "t-acct-a"]
+    report = usage_report(only_a, HOUR, now=RECORDED_AT, facts=facts, accounts=["t-acct-a"])
+    assert set(_rows(report)) == {"t-acct-a"}
+    assert report.total.cancellations == 1 and report.total.scrub_failures == 0
+
+
+def test_facts_without_an_sacct_row_group_by_what_the_gateway_knows() -> None:
+    """Issue 35: ``--by user`` and ``--by qos`` once put a cancellation whose job has no sacct row here
+    (cancelled before Slurm recorded it, or outside sacct's window) in an ``(unknown)`` row; the
+    gateway knows its tenant (so its unix user) and the QOS it submitted it under."""
+    t = datetime(2026, 11, 30, 6, 20, 12, tzinfo=UTC)
+    facts = GatewayFacts(cancellations=(Cancellation(999, "t-acct-a", t, None, "ft-small"),))
+    by_user = _rows(usage_report(sacct("sacct_final.txt"), HOUR, by="user", now=RECORDED_AT, facts=facts))
+    by_qos = _rows(usage_report(sacct("sacct_final.txt"), HOUR, by="qos", now=RECORDED_AT, facts=facts))
+    assert "(unknown)" not in by_user and by_user["sft-t-acct-a"].cancellations == 1
+    assert "(unknown)" not in by_qos and by_qos["ft-small"].cancellations == 1
+
+
 def test_helpers() -> None:
     assert tres_count("billing=1,cpu=4,gres/gpu=2,mem=1G", "cpu") == 4
     assert tres_count("", "cpu") == 0

@@ -58,7 +58,7 @@ def test_formats_agree() -> None:
     assert rows[0]["cancellations"] == ""  # not available, not zero
     data = json.loads(usage_text(report, "json"))
     assert data["rows"][1]["gpu_seconds"] == 47 and data["total"]["jobs"] == 11
-    assert data["rows"][0]["states"] == "COMPLETED=5 REQUEUED=1"
+    assert data["rows"][0]["states"] == {"COMPLETED": 5, "REQUEUED": 1}     # numbers, not a string (issue 35)
     assert data["rows"][0]["cancellations"] is None
     with pytest.raises(AccountingError, match="valid: table, csv, json"):
         usage_text(report, "yaml")
