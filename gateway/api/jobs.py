@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query, Request
@@ -180,11 +181,35 @@ def estimate_job(body: CreateJob, request: Request, session: SessionDep, setting
 
 # The three hot reads are ``async def``: they run on the event loop, without a thread-pool hop (and its
 # GIL hand-offs), since each is one or two indexed queries of a few rows (jobreads.read_*: Core rows, no ORM).
+_METADATA_PARAM = re.compile(r"metadata\[(.{1,64})\]", re.S)
+
+
+def metadata_query(items: list[tuple[str, str]]) -> dict[str, str]:
+    """The ``metadata[key]=value`` filters of a list request (at most 16, keys and values within the
+    limits a job's metadata has); ServiceError (400) naming the parameter otherwise."""
+    found: dict[str, str] = {}
+    for name, value in items:
+        if not name.startswith("metadata"):
+            continue
+        m = _METADATA_PARAM.fullmatch(name)
+        if m is None or len(value) > 512:
+            raise ServiceError("filter by metadata as metadata[key]=value (a key of at most 64 characters, "
+                               "a value of at most 512)", param=name[:80])
+        found[m.group(1)] = value
+    if len(found) > 16:
+        raise ServiceError("at most 16 metadata filters", param="metadata")
+    return found
+
+
 @router.get("")
-async def list_jobs(session: SessionDep, principal: PrincipalDep, after: str | None = Query(None, pattern=JOB_ID),
+async def list_jobs(request: Request, session: SessionDep, principal: PrincipalDep,
+                    after: str | None = Query(None, pattern=JOB_ID),
                     limit: int = Query(20, ge=1, le=100)) -> FastJSON:
-    """List this tenant's fine-tuning jobs, newest first (OpenAI's cursor pagination: ``after`` a job id)."""
-    rows, more = jobreads.read_jobs(session=session, principal=principal, after=after, limit=limit)
+    """List this tenant's fine-tuning jobs, newest first (OpenAI's cursor pagination: ``after`` a job id);
+    ``metadata[key]=value`` query parameters (OpenAI's filter) keep the jobs whose metadata holds them."""
+    metadata = metadata_query(request.query_params.multi_items())
+    rows, more = jobreads.read_jobs(session=session, principal=principal, after=after, limit=limit,
+                                    metadata=metadata)
     assert principal.tenant_name is not None
     return FastJSON({"object": "list", "data": [job_object(j, principal.tenant_name) for j in rows], "has_more": more})
 

@@ -51,11 +51,18 @@ def list_jobs(*, session: Session, principal: Principal, after: str | None, limi
         q = q.where(sa.or_(col(FineTuningJob.created_at) < anchor.created_at,
                            sa.and_(col(FineTuningJob.created_at) == anchor.created_at,
                                    col(FineTuningJob.id) < anchor.id)))
+    q = q.where(*metadata_filter(metadata or {}))
     q = q.order_by(col(FineTuningJob.created_at).desc(), col(FineTuningJob.id).desc())
-    rows = list(session.exec(q.limit(limit + 1 if not metadata else 100_000)))
-    if metadata:
-        rows = [r for r in rows if all((r.meta or {}).get(k) == v for k, v in metadata.items())]
+    rows = list(session.exec(q.limit(limit + 1)))
     return rows[:limit], len(rows) > limit
+
+
+def metadata_filter(metadata: dict[str, str]) -> list[Any]:
+    """SQL conditions for jobs whose ``metadata`` holds each of these string values: a JSON path
+    query (SQLite's ``json_extract``, PostgreSQL's ``->>``) run by the database on the tenant's
+    page, not a scan of its rows in Python (issue 35)."""
+    meta = FineTuningJob.__table__.c.meta  # type: ignore[attr-defined]
+    return [meta[key].as_string() == value for key, value in metadata.items()]
 
 
 # ---------------------------------------------------------------- fast reads
@@ -91,11 +98,12 @@ def read_job(*, session: Session, principal: Principal, job_id: str) -> Any:
 
 
 def read_jobs(*, session: Session, principal: Principal, after: str | None,
-              limit: int) -> tuple[list[Any], bool]:
+              limit: int, metadata: dict[str, str] | None = None) -> tuple[list[Any], bool]:
     """``list_jobs`` as JOB_VIEW rows: the tenant's jobs, newest first, after the job ``after`` (NotFound
-    when it is not the tenant's); (page, has_more)."""
+    when it is not the tenant's), with ``metadata`` those whose metadata holds these values (in SQL:
+    :func:`metadata_filter`); (page, has_more)."""
     tid = tenant_id_of(principal)
-    q = sa.select(*JOB_VIEW).where(_J.tenant_id == tid)
+    q = sa.select(*JOB_VIEW).where(_J.tenant_id == tid, *metadata_filter(metadata or {}))
     if after:
         anchor = _own_job_row(session, tid, after, (_J.created_at, _J.id), param="after")
         q = q.where(sa.or_(_J.created_at < anchor.created_at,

@@ -45,8 +45,10 @@ def _log_skipped(job: FineTuningJob, skipped: Any) -> None:
 
 
 def fine_tuned_model_name(job: FineTuningJob, tenant: str) -> str:
-    """The name a published job's model is known by (``ft:<base>:<tenant>:<suffix>:<job id>``)."""
-    return f"ft:{job.model}:{tenant}:{job.suffix or ''}:{job.id}"
+    """The name a published job's model is known by: ``ft:<base>:<tenant>:<suffix>:<job id>``, or
+    ``ft:<base>:<tenant>:<job id>`` for a job without a suffix (no empty ``::`` field: issue 35;
+    models published before keep the names they were given)."""
+    return ":".join(["ft", job.model, tenant, *([job.suffix] if job.suffix else []), job.id])
 
 
 def build_lineage(*, session: Session, settings: Settings, job: FineTuningJob, tenant: str,

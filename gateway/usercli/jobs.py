@@ -163,24 +163,45 @@ def estimate_job(as_json: bool, **request: Any) -> None:
             click.echo(f"  why later: {est['start_reason']}: {est['start_detail']}")
 
 
+def _metadata_pair(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict[str, str]:
+    pairs = {}
+    for v in values:
+        key, eq, value = v.partition("=")
+        if not eq or not key:
+            raise click.BadParameter(f"{v!r}: give KEY=VALUE", ctx=ctx, param=param)
+        pairs[key] = value
+    return pairs
+
+
+def _fit(text: str, width: int) -> str:
+    """``text`` in ``width`` columns: cut with an ellipsis when longer (a long model name keeps the table)."""
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
 @jobs.command("list")
 @click.option("--limit", type=click.IntRange(1, 100), default=20, show_default=True)
 @click.option("--after", metavar="JOB_ID", help="Continue after this job (the last one of the previous page).")
+@click.option("--metadata", "metadata", multiple=True, metavar="KEY=VALUE", callback=_metadata_pair,
+              help="Only jobs whose metadata has this value (repeat for several; OpenAI's metadata filter).")
 @click.option("--json", "as_json", is_flag=True, help="Print the API's list object (data, has_more).")
-def list_jobs(limit: int, after: str | None, as_json: bool) -> None:
+def list_jobs(limit: int, after: str | None, metadata: dict[str, str], as_json: bool) -> None:
     """Your jobs, newest first, one page at a time."""
-    params: dict[str, Any] = {"limit": limit, **({"after": after} if after else {})}
+    params: dict[str, Any] = {"limit": limit, **({"after": after} if after else {}),
+                              **{f"metadata[{k}]": v for k, v in metadata.items()}}
     page = call("GET", "/v1/fine_tuning/jobs", params=params).json()
     if as_json:
         _echo_json(page)
         return
     if not page["data"]:
-        click.echo("no jobs yet: `finetune jobs create --training-file FILE_ID --model MODEL`")
+        click.echo("no jobs match those metadata values" if metadata else
+                   "no jobs yet: `finetune jobs create --training-file FILE_ID --model MODEL`")
+        return
+    click.echo(f"{'ID':<30}  {'CREATED':<16}  {'STATUS':<20}  {'MODEL':<14}  FINE-TUNED MODEL")
     for j in page["data"]:
         phase = f"/{j['phase']}" if j.get("phase") and j["status"] == JobState.RUNNING else ""
-        click.echo(f"{j['id']}  {_when(j['created_at'])}  {j['status'] + phase:<20} {j['model']:<14} "
-                   f"{j.get('fine_tuned_model') or ''}")
-    if page.get("has_more") and page["data"]:
+        click.echo(f"{j['id']:<30}  {_when(j['created_at']):<16}  {j['status'] + phase:<20}  "
+                   f"{_fit(j['model'], 14):<14}  {j.get('fine_tuned_model') or ''}")
+    if page.get("has_more"):
         click.echo(f"more: finetune jobs list --after {page['data'][-1]['id']}")
 
 

@@ -307,6 +307,8 @@ def test_completed_job_is_published_in_the_same_cycle(env: Any) -> None:
     job = _status(engine, jid)
     assert stats.published == 1 and job.status == "succeeded" and job.cleanup == "pending"
     assert job.fine_tuned_model == fine_tuned_model_name(job, "acme") == f"ft:m:acme:v1:{jid}"
+    job.suffix = None       # no suffix: no empty field (issue 35)
+    assert fine_tuned_model_name(job, "acme") == f"ft:m:acme:{jid}"
     assert [n for n, _ in store.committed] == [".pub-1"] and store.removed == []
     with Session(engine) as s:
         rows = s.exec(select(DataFile).where(DataFile.job_id == jid)).all()
