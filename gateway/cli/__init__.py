@@ -9,11 +9,17 @@
   which runs on compute nodes too).
 
 Commands parse input, call one function, print; errors become one line through
-``gateway.errors.friendly_errors``. A group whose package is not installed is
-left out.
+``gateway.errors.friendly_errors``, and anything else a command raises (a file it may not
+write, a database it may not open, a gateway that does not answer) becomes one line too
+(:class:`_Finetune`): never a stack trace, unless ``SFT_DEBUG=1`` asks for it. A group whose
+package is not installed is left out.
 """
 
 from __future__ import annotations
+
+import os
+import sys
+from typing import Any
 
 import click
 
@@ -24,7 +30,42 @@ from gateway.usercli import access, artifacts, audit, deletion, files, jobs, log
 from gateway.usercli.models import bundle_model, list_aliases, promote_model, show_model
 
 
-@click.group()
+def _one_line(e: BaseException) -> str:
+    """What went wrong, in one line a user can act on (no stack trace)."""
+    if isinstance(e, PermissionError):
+        where = f" {e.filename}" if e.filename else ""
+        return (f"permission denied{where}: run it from a directory you can write, or as a user allowed "
+                "to (an admin command needs root or the service user)")
+    if isinstance(e, FileNotFoundError) and e.filename:
+        return f"no such file or directory: {e.filename}"
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}{f': {e.filename}' if e.filename else ''}"
+    text = " ".join(str(e).split())
+    if type(e).__name__ == "OperationalError" and "unable to open database file" in text:
+        return ("cannot open the gateway's database: admin commands run as root or the service user "
+                "(sudo finetune admin ...), on the gateway's host (SFT_DATABASE_URL)")
+    if type(e).__module__.startswith("httpx") or type(e).__name__ in ("ConnectError", "ConnectTimeout"):
+        return f"cannot reach the gateway ({text or type(e).__name__}): check SFT_API_URL or `finetune login`"
+    return f"{type(e).__name__}: {text[:500]}" if text else type(e).__name__
+
+
+class _Finetune(click.Group):
+    """The top group: an exception no command turned into a message still ends as one line on
+    stderr and exit 1 (click's own errors, exits and Ctrl-C pass through as click prints them)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.ClickException, click.Abort, SystemExit, KeyboardInterrupt):
+            raise
+        except Exception as e:  # noqa: BLE001 - the one place the CLI turns any failure into a line
+            if os.environ.get("SFT_DEBUG") == "1":
+                raise
+            click.echo(f"Error: {_one_line(e)}", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=_Finetune)
 @click.version_option(package_name="slurm-finetune")
 def main() -> None:
     """slurm-finetune: private QLoRA fine-tuning on a shared SLURM cluster."""

@@ -333,9 +333,11 @@ def _poll(job_id: str, last: int, retry_s: float) -> tuple[dict[str, Any], list[
 def follow(job_id: str, interval: float, as_json: bool) -> None:
     """Stream a job's events and progress until it ends. Exit 0 if it succeeded, 1 otherwise."""
     display, last = _Display(as_json), -1
+    retry_s = 0.0        # a gateway that never answered: say so now; one that stops answering later: retried
     try:
         while True:
-            job, events = _poll(job_id, last, retry_s=60)
+            job, events = _poll(job_id, last, retry_s=retry_s)
+            retry_s = 60.0
             for ev in events:
                 display.event(ev)
                 last = _event_num(ev)
