@@ -94,9 +94,10 @@ def store_upload(*, session: Session, settings: Settings, principal: Principal, 
                  model: str | None, expires_after_s: int | None = None) -> DataFile:
     """Name an uploaded temp file by its sha256 (broker ``upload_commit``) and record it.
 
-    An identical live upload of the same tenant that never expires is returned instead (deduplicated)
-    when this one does not expire either; one that expires (``expires_after_s`` after its ``created_at``)
-    is a row of its own over the same bytes, which stay while any live row names them. The status is
+    An identical live upload of the same tenant, validated with the same model's tokenizer, that never
+    expires is returned instead (deduplicated) when this one does not expire either; one that expires
+    (``expires_after_s`` after its ``created_at``) is a row of its own over the same bytes, which stay
+    while any live row names them. The status is
     ``processed`` when validation passed, else ``error``.
     """
     tenant_id, tenant_name = _tenant(principal)
@@ -109,9 +110,12 @@ def store_upload(*, session: Session, settings: Settings, principal: Principal, 
         raise
     upload.close_fd()
     upload.stored = None
+    # the same bytes validated with the same model's tokenizer: the same file; with another model's,
+    # a row of its own (its token counts and length checks are that model's: issue 35)
+    same_model = col(DataFile.model).is_(None) if model is None else DataFile.model == model
     existing = None if expires_after_s is not None else session.exec(select(DataFile).where(
         DataFile.tenant_id == tenant_id, DataFile.sha256 == upload.sha256, col(DataFile.path).is_(None),
-        col(DataFile.deleted_at).is_(None), col(DataFile.expires_at).is_(None))).first()
+        col(DataFile.deleted_at).is_(None), col(DataFile.expires_at).is_(None), same_model)).first()
     if existing is not None:
         return existing
     row = DataFile(tenant_id=tenant_id, filename=upload.filename or "upload.jsonl", bytes=upload.size,

@@ -31,7 +31,7 @@ from gateway.services.jobreads import get_job, tenant_id_of
 from gateway.services.jobspec import AUTO, _epochs, job_spec
 from gateway.services.jobwrites import add_event, apply_event
 from gateway.state import ACTIVE, Event, FailReason, JobState
-from trainer.contract.spec import Hyperparameters, JobSpec
+from trainer.contract.spec import HYPERPARAMETER_DEFAULTS, Hyperparameters, JobSpec
 
 if TYPE_CHECKING:
     from trainer.catalog import CatalogEntry
@@ -153,6 +153,37 @@ def tools_fit(settings: Settings, entry: CatalogEntry, files: dict[str, DataFile
                        "be trained; pick a base model whose template does (GET /v1/models shows "
                        "capabilities.tool_calling), or leave the tool calls out",
                        param="model", code="model_cannot_call_tools")
+
+
+def longest_example(row: DataFile) -> int | None:
+    """The most tokens an example of file ``row`` holds by its validation's counts (a pair: prompt + its
+    longer side, what a DPO step holds), or None when they were not counted."""
+    stats = (row.validation or {}).get("stats") or {}
+    pref = stats.get("preference") or {}
+    if pref:
+        sides = [(pref.get(side) or {}).get("max") for side in ("chosen", "rejected")]
+        counted = [v for v in sides if isinstance(v, int)]
+        return max(counted) if counted else None
+    longest = (stats.get("tokens") or {}).get("max")
+    return longest if isinstance(longest, int) else None
+
+
+def lengths_fit(hp: dict[str, Any], base: str, files: dict[str, DataFile | None]) -> None:
+    """ServiceError (400, naming ``hyperparameters.max_seq_len``) when a file's longest example, counted
+    with base model ``base``'s own tokenizer at upload, is over the job's ``max_seq_len``: the job would
+    fail at tokenizing on its node, after waiting in the queue. A file counted with another model's
+    tokenizer is left to the trainer (its counts are not this base's)."""
+    limit = int(hp.get("max_seq_len", HYPERPARAMETER_DEFAULTS["max_seq_len"]))
+    for param, row in files.items():
+        if row is None or ((row.validation or {}).get("stats") or {}).get("tokenizer") != base:
+            continue
+        longest = longest_example(row)
+        if longest is not None and longest > limit:
+            raise ServiceError(
+                f"{param} {row.id}: its longest example is {longest} tokens in {base}'s tokenizer, over "
+                f"hyperparameters.max_seq_len ({limit}), so the job would fail when it tokenizes the file; "
+                f"set max_seq_len to at least {longest} (batch_size_tokens at least as much), or shorten "
+                "those examples", param="hyperparameters.max_seq_len")
 
 
 def check_resources(settings: Settings, gpus: int, nodes: int, fsdp: bool = False) -> None:
@@ -317,6 +348,7 @@ def prepare_job(*, session: Session, settings: Settings, principal: Principal, r
     check_resources(settings, req.gpus, req.nodes, req.fsdp)
     shape = _model_shape(settings, entry)
     choose_auto(settings, train, shape, hp, req.method, req.gpus)   # recorded: spec, recovery, estimate agree
+    lengths_fit(hp, base, {"training_file": train, "validation_file": val})
     epochs = _epochs(hp)
     tokens, minutes = estimate(settings, train, epochs, req.gpus)
     _admit(session, settings, tid, tokens, minutes, pending)

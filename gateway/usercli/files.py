@@ -41,11 +41,15 @@ def print_report(obj: dict[str, Any]) -> None:
                    "(then the gateway deletes it)")
     tok = stats.get("tokens")
     if tok:
-        click.echo(f"  {stats.get('examples')} examples, {tok['total']} tokens "
-                   f"(p50 {tok['p50']}, p95 {tok['p95']}, max {tok['max']}; assistant {tok['assistant']}), "
+        click.echo(f"  {stats.get('examples')} examples, {tok['total']} tokens in {stats.get('tokenizer')}'s "
+                   f"tokenizer (p50 {tok['p50']}, p95 {tok['p95']}, max {tok['max']}; assistant {tok['assistant']}), "
                    f"~{stats.get('estimated_training_tokens')} tokens for {stats.get('estimated_epochs')} epochs")
     else:
-        click.echo(f"  {stats.get('examples', 0)} examples")
+        click.echo(f"  {stats.get('examples', 0)} examples (tokens not counted: no base model's tokenizer)")
+    tools = stats.get("tools")
+    if tools:
+        click.echo(f"  tool calling: {tools['lines_with_tools']} lines declare tools, {tools['tool_calls']} calls "
+                   f"({tools['calls_per_line']} per line, at most {tools['max_calls_per_line']})")
     for kind, n in sorted((v.get("error_counts") or {}).items()):
         click.echo(f"  ERROR {kind}: {n}")
     for e in v.get("errors") or []:
