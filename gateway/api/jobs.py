@@ -6,7 +6,7 @@ import re
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query, Request
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gateway.access.policy import Policy
 from gateway.api import openai
@@ -61,8 +61,8 @@ class Resources(BaseModel):
 class CreateJob(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: Annotated[str, Field(min_length=1, max_length=255)]
-    training_file: Annotated[str, Field(pattern=JOB_ID)]
-    validation_file: Annotated[str, Field(pattern=JOB_ID)] | None = None
+    training_file: Annotated[str, Field(min_length=1, max_length=4096)]
+    validation_file: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
     hyperparameters: dict[str, Any] | None = None
     method: Method | None = None
     suffix: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] | None = None
@@ -74,6 +74,17 @@ class CreateJob(BaseModel):
     resources: Resources | None = None                                        # ours; default 1 GPU
     # Together's: continue from "<job id>[:<step>]" (the newest published checkpoint without a step)
     from_checkpoint: Annotated[str, Field(pattern=r"^ftjob-[0-9a-f]{24}(:[1-9][0-9]{0,8})?$")] | None = None
+
+    @field_validator("training_file", "validation_file")
+    @classmethod
+    def _a_file_id(cls, value: str | None) -> str | None:
+        """A file id (``file-...``), or a message that says what to do with a path given instead."""
+        if value is None or re.fullmatch(JOB_ID, value):
+            return value
+        if "/" in value or value.endswith((".jsonl", ".json")):
+            raise ValueError("this looks like a path, not a file id: upload the file first (POST /v1/files, or "
+                             "`finetune files upload PATH`) and give the file id it returns (file-...)")
+        raise ValueError("must be a file id (file-...) from POST /v1/files")
 
 
 def _ts(dt: Any) -> int | None:

@@ -4,6 +4,7 @@ job ends) and cancel fine-tuning jobs."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -104,6 +105,10 @@ def _job_body(training_file: str, validation_file: str | None, model: str, metho
         raise click.UsageError("--beta is a DPO hyperparameter: add --method dpo")
     if beta is not None:
         hp["beta"] = beta
+    for option, value in (("--training-file", training_file), ("--validation-file", validation_file)):
+        if value is not None and not value.startswith("file-") and os.path.exists(value):
+            raise click.UsageError(f"{option} {value} is a path on this machine, not a file id: did you mean "
+                                   f"`finetune files upload {value}`? Then give the file id it prints (file-...)")
     body = {"model": model, "training_file": training_file, "validation_file": validation_file,
             "hyperparameters": (hp or None) if method == "supervised" else None,
             "method": {"type": "dpo", "dpo": {"hyperparameters": hp}} if method == "dpo" else None,

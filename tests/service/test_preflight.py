@@ -60,3 +60,19 @@ def test_the_same_bytes_for_another_model_are_validated_with_its_tokenizer(gw_pr
     assert plain["id"] != first["id"] and plain["validation"]["stats"]["tokenizer"] == "tiny-plain"
     assert plain["model"] == "tiny-plain" and first["model"] == "tiny-chat"
     assert again["id"] == first["id"] and default["id"] == first["id"]       # same bytes, same tokenizer
+
+
+def test_a_path_where_a_file_id_goes_is_recognised(gw_pre: Gateway, monkeypatch: pytest.MonkeyPatch,
+                                                   tmp_path: Path) -> None:
+    from tests.service.conftest import cli_over
+
+    gw = gw_pre
+    r = gw.client.post(JOBS, headers=gw.auth(TENANT_A),
+                       json={"model": "tiny-chat", "training_file": "data/train.jsonl"})
+    assert r.status_code == 400, r.text
+    assert "looks like a path, not a file id" in r.json()["error"]["message"] and "pattern" not in r.text
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(chat_lines(12))
+    rc, out = cli_over(gw, monkeypatch)(gw.tokens[TENANT_A], "jobs", "create", "--training-file", str(path),
+                                        "--model", "tiny-chat")
+    assert rc == 2 and f"did you mean `finetune files upload {path}`" in " ".join(out.split())
