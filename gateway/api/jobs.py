@@ -56,6 +56,8 @@ class Resources(BaseModel):
     gpus: Annotated[int, Field(ge=1, le=JOB_BOUNDS["world_size"].high)] = 1   # one rank each: the spec's world_size
     nodes: Annotated[int, Field(ge=1, le=1024)] = 1
     fsdp: bool = False   # shard the 4-bit base over the ranks (FSDP2): for a model too large for one GPU
+    # the job's time limit, instead of the estimate's (Slurm's --time; local mode's limit too)
+    time_limit_minutes: Annotated[int, Field(ge=1, le=365 * 24 * 60)] | None = None
 
 
 class CreateJob(BaseModel):
@@ -155,6 +157,7 @@ def _request(body: CreateJob, idempotency_key: str | None) -> jobcreate.JobReque
                           gpus=body.resources.gpus if body.resources else 1,
                           nodes=body.resources.nodes if body.resources else 1,
                           fsdp=body.resources.fsdp if body.resources else False,
+                          time_limit_min=body.resources.time_limit_minutes if body.resources else None,
                           from_checkpoint=body.from_checkpoint,
                           method=body.method.type if body.method else "supervised",
                           integrations=body.integrations)

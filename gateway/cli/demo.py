@@ -188,6 +188,27 @@ def _onboard(settings: Settings, echo: Callable[[str], None]) -> str:
     return token
 
 
+def _next_steps(settings: Settings, token: str, job: dict[str, Any], out: Path, echo: Callable[[str], None],
+                failed: str | None = None) -> None:
+    """Where the results are and what to run next, with the tenant's token saved for the CLI: after a
+    job that succeeded, and after one that did not (``failed``: its training file, for the command
+    that trains it again), so the README's next commands work either way."""
+    saved = save_credentials(SERVE_URL, token)
+    serve = "finetune serve"
+    if settings.local:
+        serve += " --local" + ("" if settings.data_dir == default_data_dir() else f" --data-dir {settings.data_dir}")
+    echo(f"      results:          {out}\n"
+         f"      job dir (tenant): {job_dir(settings, TENANT, job['id'])}\n"
+         f"      gateway DB:       {settings.database_url}\n"
+         f"      tenant {TENANT}'s token for {SERVE_URL} is saved in {saved}; next, try:\n"
+         f"        {serve} &\n"
+         f"        finetune jobs list")
+    if failed is not None:
+        echo(f"        finetune jobs show {job['id']}            # what happened, its events\n"
+             f"        finetune jobs create --training-file {failed} --model {job['model']} "
+             f"--time {2 * max(1, int(job.get('time_limit_min') or 10))}   # again, with twice the time")
+
+
 def run_demo(settings: Settings, echo: Callable[[str], None] = print, *, tiny: bool = False) -> int:
     """Run the walk-through; return 0 when the job succeeded, its adapter loads and (SmolLM2) the
     fine-tuned model follows the taught format on the held-out prompts."""
@@ -245,6 +266,7 @@ def run_demo(settings: Settings, echo: Callable[[str], None] = print, *, tiny: b
     if job["status"] != JobState.SUCCEEDED:
         echo(f"[6/7] FAILED: {job['status']}: {(job.get('error') or {}).get('message')}")
         server.stop()
+        _next_steps(settings, token, job, out, echo, failed=uploaded["train.jsonl"])
         return 1
     files: dict[str, Path] = {}
     for fid in job["result_files"]:
@@ -276,15 +298,7 @@ def run_demo(settings: Settings, echo: Callable[[str], None] = print, *, tiny: b
         time.sleep(1)
         job = client.get(f"/v1/fine_tuning/jobs/{job['id']}").json()
     server.stop()
-    saved = save_credentials(SERVE_URL, token)
     echo(f"[7/7] done in {time.monotonic() - t_start:.0f}s; node cleanup: {job['cleanup']}")
-    serve = "finetune serve"
-    if settings.local:
-        serve += " --local" + ("" if settings.data_dir == default_data_dir() else f" --data-dir {settings.data_dir}")
-    echo(f"      adapter (PEFT):   {adapter}\n      results:          {out}\n"
-         f"      job dir (tenant): {job_dir(settings, TENANT, job['id'])}\n"
-         f"      gateway DB:       {settings.database_url}\n"
-         f"      tenant {TENANT}'s token for {SERVE_URL} is saved in {saved}; next, try:\n"
-         f"        {serve} &\n"
-         f"        finetune jobs list")
+    echo(f"      adapter (PEFT):   {adapter}")
+    _next_steps(settings, token, job, out, echo)
     return 0 if ok else 1

@@ -70,12 +70,14 @@ class JobRequest:
     from_checkpoint: str | None = None   # "<job id>[:<step>]": continue from that job's checkpoint (Together's way)
     method: str = "supervised"           # or "dpo": preference pairs (METHODS)
     integrations: list[Any] | None = None   # as the request gave them (services.tracking checks them)
+    time_limit_min: int | None = None       # the requester's time limit instead of the estimate's
 
     def digest(self) -> str:
         """sha256 of the request without its idempotency key: a reused key must come with the same request."""
         # fields at their defaults that came later are left out: a retry of an older request keeps its digest
         fields = {k: v for k, v in self.__dict__.items()
-                  if k != "idempotency_key" and not (k in ("fsdp", "from_checkpoint", "integrations") and not v)
+                  if k != "idempotency_key"
+                  and not (k in ("fsdp", "from_checkpoint", "integrations", "time_limit_min") and not v)
                   and not (k == "method" and v == "supervised")}
         if self.integrations:
             fields["integrations"] = tracking.redacted(self.integrations)
@@ -351,6 +353,8 @@ def prepare_job(*, session: Session, settings: Settings, principal: Principal, r
     lengths_fit(hp, base, {"training_file": train, "validation_file": val})
     epochs = _epochs(hp)
     tokens, minutes = estimate(settings, train, epochs, req.gpus)
+    if req.time_limit_min is not None:       # the requester knows better (a slow machine, a retry): theirs
+        minutes = req.time_limit_min
     _admit(session, settings, tid, tokens, minutes, pending)
     _gpus_allowed(submit, tenant_name, minutes, req.gpus)
     widen_for_ranks(hp, req.method, req.gpus)       # an explicit batch_size_tokens too small for the ranks

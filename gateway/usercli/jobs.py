@@ -79,6 +79,8 @@ _JOB_OPTIONS = [
     click.option("--nodes", type=click.IntRange(1, 1024), help="Nodes to spread the GPUs over (default 1)."),
     click.option("--fsdp", is_flag=True,
                  help="Shard the model over the GPUs (FSDP): for a base too large for one GPU."),
+    click.option("--time", "time_limit", type=click.IntRange(1, 365 * 24 * 60), metavar="MINUTES",
+                 help="The job's time limit, instead of the estimate's (a slow machine, a job that timed out)."),
     click.option("--from-checkpoint", metavar="JOB_ID[:STEP]",
                  help="Continue from that job's checkpoint (its newest without STEP; `finetune jobs checkpoints`)."),
     click.option("--hp", "extra", multiple=True, metavar="KEY=VALUE", help="Any other hyperparameter (repeatable)."),
@@ -97,7 +99,8 @@ def _job_body(training_file: str, validation_file: str | None, model: str, metho
               epochs: int | None,
               learning_rate_multiplier: float | None, lora_r: int | None, batch_size_tokens: int | None,
               max_seq_len: int | None, suffix: str | None, seed: int | None, gpus: int | None, nodes: int | None,
-              fsdp: bool, from_checkpoint: str | None, extra: tuple[str, ...]) -> dict[str, Any]:
+              fsdp: bool, from_checkpoint: str | None, extra: tuple[str, ...],
+              time_limit: int | None = None) -> dict[str, Any]:
     named = {"n_epochs": epochs, "learning_rate_multiplier": learning_rate_multiplier, "lora_r": lora_r,
              "batch_size_tokens": batch_size_tokens, "max_seq_len": max_seq_len}
     hp = {**{k: v for k, v in named.items() if v is not None}, **_parse_hp(extra)}
@@ -113,7 +116,9 @@ def _job_body(training_file: str, validation_file: str | None, model: str, metho
             "hyperparameters": (hp or None) if method == "supervised" else None,
             "method": {"type": "dpo", "dpo": {"hyperparameters": hp}} if method == "dpo" else None,
             "suffix": suffix, "seed": seed,
-            "resources": {"gpus": gpus or 1, "nodes": nodes or 1, "fsdp": fsdp} if gpus or nodes or fsdp else None,
+            "resources": ({"gpus": gpus or 1, "nodes": nodes or 1, "fsdp": fsdp,
+                           **({"time_limit_minutes": time_limit} if time_limit else {})}
+                          if gpus or nodes or fsdp or time_limit else None),
             "from_checkpoint": from_checkpoint}
     return {k: v for k, v in body.items() if v is not None}
 

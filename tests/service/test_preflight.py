@@ -76,3 +76,25 @@ def test_a_path_where_a_file_id_goes_is_recognised(gw_pre: Gateway, monkeypatch:
     rc, out = cli_over(gw, monkeypatch)(gw.tokens[TENANT_A], "jobs", "create", "--training-file", str(path),
                                         "--model", "tiny-chat")
     assert rc == 2 and f"did you mean `finetune files upload {path}`" in " ".join(out.split())
+
+
+def test_a_time_limit_the_request_gives_is_the_jobs(gw_pre: Gateway) -> None:
+    """``resources.time_limit_minutes`` (``--time``): the estimate and the job take it instead of the
+    estimated limit (a slow machine, a job that timed out); over the site's limit it is a 400."""
+    from sqlmodel import Session
+
+    from gateway.models import FineTuningJob
+
+    gw = gw_pre
+    file_id = gw.upload(TENANT_A, chat_lines(12)).json()["id"]
+    body = {"model": "tiny-chat", "training_file": file_id, "hyperparameters": {"n_epochs": 1},
+            "resources": {"time_limit_minutes": 37}}
+    est = gw.client.post(JOBS + "/estimate", headers=gw.auth(TENANT_A), json=body)
+    assert est.status_code == 200 and est.json()["time_limit_minutes"] == 37, est.text
+    job = gw.client.post(JOBS, headers=gw.auth(TENANT_A), json=body).json()
+    with Session(gw.app.state.engine) as s:
+        row = s.get(FineTuningJob, job["id"])
+        assert row is not None and row.time_limit_min == 37
+    body["resources"] = {"time_limit_minutes": gw.settings.max_wall_min + 1}
+    over = gw.client.post(JOBS, headers=gw.auth(TENANT_A), json=body)
+    assert over.status_code == 400 and "limit" in over.json()["error"]["message"]
