@@ -22,7 +22,9 @@ def confirm_cleanups(s: Session, settings: Settings) -> None:
     """Settle every job whose cleanup is pending, as its nodes' epilog reports (or local mode) say."""
     for job in list(s.exec(select(FineTuningJob).where(FineTuningJob.cleanup == Cleanup.PENDING))):
         if settings.local:       # no nodes, no scrubber: nothing will ever confirm a cleanup
-            _set_cleanup(s, job, Cleanup.OFF, "No node cleanup in local mode (no scrubber runs)", "warn")
+            # said once at start (LOCAL MODE); per job it is a fact, not a warning (issue 35)
+            _set_cleanup(s, job, Cleanup.OFF, "Local mode: the job ran on this machine, which no scrubber cleans",
+                         "info")
         elif not (job.progress or {}).get("node") and job.started_at is None:
             # ended before any node was named (an older gateway set such rows pending): no epilog reports
             _set_cleanup(s, job, None, "No node cleanup: the job never ran on a node", "info")

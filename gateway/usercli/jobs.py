@@ -48,6 +48,9 @@ def _parse_hp(pairs: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+LOCAL_QOS = "local"     # gateway.slurm.local.QOS, what a local-mode job reports (the CLI imports no scheduler)
+
+
 @click.group("jobs")
 def jobs() -> None:
     """Your fine-tuning jobs: create, list, show, follow, cancel."""
@@ -134,7 +137,10 @@ def create_job(idempotency_key: str | None, as_json: bool, **request: Any) -> No
     if as_json:
         _echo_json(obj)
         return
-    where = f"Slurm job {obj['slurm_job_id']}, QOS {obj['qos']}" if obj.get("slurm_job_id") else "not on Slurm"
+    if obj.get("qos") == LOCAL_QOS:            # local mode: no Slurm words (issue 35)
+        where = f"local job {obj['slurm_job_id']} on this machine"
+    else:
+        where = f"Slurm job {obj['slurm_job_id']}, QOS {obj['qos']}" if obj.get("slurm_job_id") else "not on Slurm"
     click.echo(f"{obj['id']}  {obj['status']}  ({where})")
     if obj.get("error"):
         click.echo(f"  error: {obj['error'].get('message')}")
