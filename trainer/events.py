@@ -43,6 +43,7 @@ class EventLog:
         self.write = write
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600) if write else -1
         self._beat = time.monotonic()
+        self._phase: str | None = None     # the last phase recorded
 
     def emit(self, type_: str, **fields: Any) -> dict[str, Any]:
         """Append one event and fsync it; return the event written.
@@ -75,9 +76,14 @@ class EventLog:
             self.emit("heartbeat")
 
     def phase(self, name: str) -> None:
-        """Record a phase change (tokenizing, reference (DPO: scoring the pairs once), training, evaluating, saving)."""
+        """Record a phase change (tokenizing, reference (DPO: scoring the pairs once), training, evaluating,
+        saving); the phase it is already in is not recorded again (the tenant's events once said
+        "Phase: training" twice: after the first eval, then at the first step)."""
         if name not in PHASES:
             raise ValueError(f"unknown phase {name!r}")
+        if name == self._phase:
+            return
+        self._phase = name
         self.emit("phase", phase=name)
 
     def close(self) -> None:

@@ -320,6 +320,16 @@ def test_events_are_one_json_line_each(tmp_path: Path) -> None:
         EventLog(tmp_path / "e2.jsonl", 0).emit("gossip")
 
 
+def test_a_phase_is_recorded_once_until_it_changes(tmp_path: Path) -> None:
+    """Issue 35: "Phase: training" showed twice (after the first eval, then at the first step)."""
+    log = EventLog(tmp_path / "events.jsonl", attempt=0)
+    for name in ("tokenizing", "evaluating", "training", "training", "evaluating", "training", "saving"):
+        log.phase(name)
+    log.close()
+    phases = [e["phase"] for e in read_events(tmp_path / "events.jsonl")]
+    assert phases == ["tokenizing", "evaluating", "training", "evaluating", "training", "saving"]
+
+
 def test_attempt_number(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
     assert attempt_number() == 0
