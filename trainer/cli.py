@@ -134,9 +134,26 @@ def list_cmd(root: Path, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps([{**asdict(e), "path": str(Path(root) / e.path)} for e in entries], indent=2))
         return
+    if not entries:
+        click.echo(f"no models in {root}: `finetune models add PATH --name NAME` registers one")
+        return
+    width = max(4, *(len(e.name) for e in entries))
+    click.echo(f"{'NAME':<{width}}  {'DIGEST':<19}  {'SIZE':>9}  {'ADDED':<16}  TOOL CALLING")
     for entry in entries:
-        tools = {True: "tools", False: "no-tools", None: "tools?"}[entry.tool_calling]
-        click.echo(f"{entry.name}\t{entry.digest}\t{entry.size_bytes}\t{entry.added_at}\t{tools}")
+        tools = {True: "yes", False: "no", None: "not checked"}[entry.tool_calling]
+        click.echo(f"{entry.name:<{width}}  {entry.digest[:19]:<19}  {_size(entry.size_bytes):>9}  "
+                   f"{entry.added_at[:16].replace('T', ' '):<16}  {tools}")
+    click.echo("(--json for full digests and paths)")
+
+
+def _size(n: int) -> str:
+    """Bytes as a person reads them (``517.2 MB``)."""
+    size = float(n)
+    for unit in ("B", "kB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} TB"
 
 
 @models.command("make-tiny")

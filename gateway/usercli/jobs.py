@@ -433,9 +433,19 @@ def resume(job_id: str, as_json: bool) -> None:
 def cancel(job_id: str, wait: bool, as_json: bool) -> None:
     """Cancel a job: `cancelling` at once, `cancelled` once Slurm confirms. A finished job is an error."""
     obj = call("POST", f"/v1/fine_tuning/jobs/{job_id}/cancel").json()
+    started = time.monotonic()
+    if wait and obj["status"] not in TERMINAL and not as_json:
+        click.echo(f"{job_id}: {obj['status']}; waiting until nothing of it runs...", err=True)
+    said = 0.0
     while wait and obj["status"] not in TERMINAL:
         time.sleep(0.5)
         obj = call("GET", f"/v1/fine_tuning/jobs/{job_id}").json()
+        waited = time.monotonic() - started
+        if not as_json and waited - said >= 5:       # a line every 5 s: the wait is alive (issue 35)
+            said = waited
+            click.echo(f"  {waited:.0f}s: {obj['status']}"
+                       f"{' (its trainer is checkpointing and stopping)' if obj['status'] == 'cancelling' else ''}",
+                       err=True)
     if as_json:
         _echo_json(obj)
     elif obj["status"] == JobState.CANCELLED:

@@ -15,3 +15,23 @@ def test_models_list_json(tmp_path: Path) -> None:
 
     res = CliRunner().invoke(main, ["models", "list", "--json", "--root", str(tmp_path)])
     assert res.exit_code == 0 and json.loads(res.output) == []
+
+
+def test_models_list_is_a_table_with_a_header_and_human_sizes(tmp_path: Path) -> None:
+    """Issue 35: the plain listing was raw tab-separated bytes; now a header, a short digest, a size a
+    person reads and whether the template renders tool calling."""
+    from click.testing import CliRunner
+
+    from gateway.cli import main
+    from trainer import catalog
+
+    model = tmp_path / "src"
+    model.mkdir()
+    (model / "weights.bin").write_bytes(b"\0" * 2_500_000)
+    catalog.add(model, "a-model", tmp_path / "root", check=None)
+    res = CliRunner().invoke(main, ["models", "list", "--root", str(tmp_path / "root")])
+    lines = res.output.splitlines()
+    assert res.exit_code == 0 and lines[0].split() == ["NAME", "DIGEST", "SIZE", "ADDED", "TOOL", "CALLING"]
+    assert lines[1].startswith("a-model") and "2.5 MB" in lines[1] and lines[1].endswith("not checked")
+    empty = CliRunner().invoke(main, ["models", "list", "--root", str(tmp_path / "none")])
+    assert empty.exit_code == 0 and "no models in" in empty.output
