@@ -17,6 +17,7 @@ package is not installed is left out.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Any
@@ -49,18 +50,40 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:500]}" if text else type(e).__name__
 
 
+def _json_error(e: click.ClickException) -> None:
+    """A command run with ``--json`` that fails: OpenAI's error object on stderr, exit 1."""
+    from gateway.usercli.client import ApiError
+
+    error = ({**e.error, "status": e.status} if isinstance(e, ApiError)
+             else {"message": e.format_message(), "type": "cli_error", "code": None, "param": None, "status": None})
+    click.echo(json.dumps({"error": error}), err=True)
+    sys.exit(1)
+
+
 class _Finetune(click.Group):
     """The top group: an exception no command turned into a message still ends as one line on
     stderr and exit 1 (click's own errors, exits and Ctrl-C pass through as click prints them)."""
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta["finetune.argv"] = list(args)       # whether --json was asked for (errors then print JSON)
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (click.exceptions.Exit, click.ClickException, click.Abort, SystemExit, KeyboardInterrupt):
+        except click.UsageError:
+            raise
+        except click.ClickException as e:
+            if "--json" not in ctx.meta.get("finetune.argv", ()):
+                raise
+            _json_error(e)          # one shape for scripts: {"error": {...}} on stderr, exit 1
+        except (click.exceptions.Exit, click.Abort, SystemExit, KeyboardInterrupt):
             raise
         except Exception as e:  # noqa: BLE001 - the one place the CLI turns any failure into a line
             if os.environ.get("SFT_DEBUG") == "1":
                 raise
+            if "--json" in ctx.meta.get("finetune.argv", ()):
+                _json_error(click.ClickException(_one_line(e)))
             click.echo(f"Error: {_one_line(e)}", err=True)
             sys.exit(1)
 

@@ -129,9 +129,10 @@ def staff_request(tenant: str, resource: str, reason: str, duration: str, as_jso
 
 
 def _print_requests(path: str, as_json: bool) -> None:
-    data = call("GET", path).json()["data"]
+    page = call("GET", path).json()
+    data = page["data"]
     if as_json:
-        _echo_json(data)
+        _echo_json(page)
         return
     for r in data:
         click.echo(_request_line(r))
@@ -200,9 +201,10 @@ def audit() -> None:
 def audit_list(limit: int, before: int | None, as_json: bool) -> None:
     """Requests, decisions and reads by staff on your resources, newest first."""
     params: dict[str, Any] = {"limit": limit, **({"after": before} if before else {})}
-    data = call("GET", "/v1/audit", params=params).json()["data"]
+    page = call("GET", "/v1/audit", params=params).json()
+    data = page["data"]
     if as_json:
-        _echo_json(data)
+        _echo_json(page)   # the API's list object (object, data, has_more): one shape for every list
         return
     for e in data:
         actor = e.get("actor") or f"{e['actor_role']}#{e['actor_token_id'] or '-'}"   # none: the local admin CLI
@@ -231,9 +233,10 @@ def tokens() -> None:
 @click.option("--json", "as_json", is_flag=True)
 def tokens_list(as_json: bool) -> None:
     """Every token of your tenant (revoked ones too) and who minted or revoked it; use is not tracked."""
-    data = call("GET", "/v1/tokens").json()["data"]
+    page = call("GET", "/v1/tokens").json()
+    data = page["data"]
     if as_json:
-        _echo_json(data)
+        _echo_json(page)   # the API's list object (object, data, has_more): one shape for every list
         return
     for t in data:
         click.echo(_token_line(t))

@@ -39,13 +39,22 @@ class Unreachable(click.ClickException):
     """The gateway did not answer (connection refused, timeout): worth a retry."""
 
 
+class ApiError(click.ClickException):
+    """The gateway answered an error: its status and OpenAI's error object (``--json`` prints them)."""
+
+    def __init__(self, status: int, error: dict[str, Any]):
+        super().__init__(f"{status}: {error.get('message')}")
+        self.status = status
+        self.error = error
+
+
 def _raise_for_status(r: httpx.Response) -> None:
     if r.status_code >= 400:
         try:
-            msg = r.json()["error"]["message"]
+            error = dict(r.json()["error"])
         except (ValueError, KeyError, TypeError):
-            msg = r.text[:500]
-        raise click.ClickException(f"{r.status_code}: {msg}")
+            error = {"message": r.text[:500], "type": None, "code": None, "param": None}
+        raise ApiError(r.status_code, error)
 
 
 def call(method: str, path: str, *, headers: dict[str, str] | None = None, **kwargs: Any) -> httpx.Response:

@@ -11,7 +11,7 @@ from typing import Any, BinaryIO
 
 import click
 
-from gateway.usercli.client import call
+from gateway.usercli.client import _echo_json, call
 
 
 @click.group("files")
@@ -81,16 +81,37 @@ def upload(path: Path, model: str | None, expires_after: int | None, as_json: bo
         raise SystemExit(1)
 
 
+def _size(n: int) -> str:
+    """Bytes as a person reads them (``1.2 MB``)."""
+    size = float(n)
+    for unit in ("B", "kB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} GB"
+
+
+PURPOSES = {"datasets": "fine-tune", "results": "fine-tune-results"}
+
+
 @files.command("list")
-@click.option("--json", "as_json", is_flag=True)
-def list_files(as_json: bool) -> None:
-    """Your files, newest first."""
-    data = call("GET", "/v1/files").json()["data"]
+@click.option("--purpose", type=click.Choice(["all", *PURPOSES]), default="all", show_default=True,
+              help="datasets: what you uploaded; results: the adapters, evaluations and checkpoints jobs published.")
+@click.option("--json", "as_json", is_flag=True, help="Print the API's list object (object, data, has_more).")
+def list_files(purpose: str, as_json: bool) -> None:
+    """Your files, newest first: datasets and the results jobs published (a PURPOSE column)."""
+    page = call("GET", "/v1/files", params={"purpose": PURPOSES[purpose]} if purpose in PURPOSES else None).json()
     if as_json:
-        click.echo(json.dumps(data, indent=2))
+        _echo_json(page)
         return
+    data = page["data"]
+    if not data:
+        click.echo("no files yet: `finetune files upload train.jsonl`" if purpose == "all" else f"no {purpose}")
+        return
+    click.echo(f"{'ID':<29}  {'PURPOSE':<8}  {'STATUS':<10}  {'SIZE':>9}  FILENAME")
     for o in data:
-        click.echo(f"{o['id']}  {o['status']:<10} {o['bytes']:>12}  {o['filename']}")
+        kind = "result" if o.get("purpose") == PURPOSES["results"] else "dataset"
+        click.echo(f"{o['id']:<29}  {kind:<8}  {o['status']:<10}  {_size(o['bytes']):>9}  {o['filename']}")
 
 
 @files.command("show")

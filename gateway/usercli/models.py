@@ -102,9 +102,10 @@ def promote_model(model_id: str, alias: str, tolerance: float) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def list_aliases(as_json: bool) -> None:
     """Your aliases: which model each name of each base points at."""
-    rows = call("GET", "/v1/model_aliases").json()["data"]
+    page = call("GET", "/v1/model_aliases").json()
+    rows = page["data"]
     if as_json:
-        _echo_json(rows)
+        _echo_json(page)   # the API's list object (object, data, has_more): one shape for every list
         return
     if not rows:
         click.echo("no aliases yet: `finetune models promote ft:... --alias prod`")

@@ -89,9 +89,10 @@ def show(sweep_id: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def list_sweeps(as_json: bool) -> None:
     """Your sweeps, newest first."""
-    rows = call("GET", "/v1/fine_tuning/sweeps").json()["data"]
+    page = call("GET", "/v1/fine_tuning/sweeps").json()
+    rows = page["data"]
     if as_json:
-        _echo_json(rows)
+        _echo_json(page)   # the API's list object (object, data, has_more): one shape for every list
         return
     if not rows:
         click.echo("no sweeps yet: finetune sweeps create --grid ...")

@@ -24,9 +24,10 @@ def add(url: str) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def list_endpoints(as_json: bool) -> None:
     """Your endpoints."""
-    rows = call("GET", "/v1/webhooks").json()["data"]
+    page = call("GET", "/v1/webhooks").json()
+    rows = page["data"]
     if as_json:
-        _echo_json(rows)
+        _echo_json(page)   # the API's list object (object, data, has_more): one shape for every list
         return
     for r in rows:
         click.echo(f"{r['id']}  {r['url']}")
@@ -47,9 +48,10 @@ def remove(webhook_id: str) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def deliveries(webhook_id: str, as_json: bool) -> None:
     """An endpoint's delivery log, newest first."""
-    rows = call("GET", f"/v1/webhooks/{webhook_id}/deliveries").json()["data"]
+    page = call("GET", f"/v1/webhooks/{webhook_id}/deliveries").json()
+    rows = page["data"]
     if as_json:
-        _echo_json(rows)
+        _echo_json(page)   # the API's list object (object, data, has_more): one shape for every list
         return
     for d in rows:
         click.echo(f"{d['id']}  {d['type']:<28} {d['job_id']}  {d['status']:<9} {d['attempts']} attempt(s)  "

@@ -121,7 +121,7 @@ def test_cli_upload_list_show_rm(live: Live, tmp_path: Path) -> None:
     assert up["status"] == "processed"
     text = live.cli("files", "upload", str(DATASETS / "bad_role.jsonl"), token=tok, check=False)
     assert text.rc == 1 and "line 7: [bad_role]" in text.out, text.out + text.err
-    ids = [o["id"] for o in live.cli("files", "list", "--json", token=tok).json()]
+    ids = [o["id"] for o in live.cli("files", "list", "--json", token=tok).json()["data"]]
     assert up["id"] in ids
     assert live.cli("files", "show", up["id"], "--json", token=tok).json()["id"] == up["id"]
     assert live.cli("files", "rm", up["id"], "--json", token=tok).json()["deleted"] is True
@@ -136,7 +136,7 @@ def test_cli_login_saves_private_credentials(live: Live) -> None:
     env_without = {k: v for k, v in live.env.items() if k not in ("SFT_API_URL", "SFT_API_TOKEN")}
     out = subprocess.run([sys.executable, "-m", "gateway", "files", "list", "--json"], cwd=ROOT,
                          env=env_without, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and json.loads(out.stdout) == []
+    assert out.returncode == 0 and json.loads(out.stdout)["data"] == []
 
 
 def test_300mb_upload_over_256mb_limit_is_cut_off_with_flat_memory(live: Live) -> None:

@@ -92,3 +92,34 @@ def test_cli_lists_by_metadata_under_a_header(gw_meta: Gateway, monkeypatch: pyt
     assert ids[1] in out and ids[0] not in out and len(lines) == 2
     rc, out = run(gw.tokens[TENANT_A], "jobs", "list", "--metadata", "team")
     assert rc == 2 and "KEY=VALUE" in out and "Traceback" not in out
+
+
+def test_one_json_shape_for_lists_and_json_errors_on_stderr(gw_meta: Gateway,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 35: ``--json`` gave a bare array for files and an object for jobs, and errors stayed text:
+    lists are the API's list object, an error is OpenAI's error object on stderr with exit 1."""
+    import json
+
+    from click.testing import CliRunner
+
+    from gateway.cli import main
+    from gateway.config import get_settings
+    from tests.service.conftest import cli_over
+
+    gw = gw_meta
+    gw.upload(TENANT_A, chat_lines(12))
+    run = cli_over(gw, monkeypatch)
+    for argv in (["files", "list", "--json"], ["jobs", "list", "--json"]):
+        rc, out = run(gw.tokens[TENANT_A], *argv)
+        page = json.loads(out)
+        assert rc == 0 and page["object"] == "list" and "has_more" in page and isinstance(page["data"], list)
+    rc, out = run(gw.tokens[TENANT_A], "files", "list")
+    assert rc == 0 and out.splitlines()[0].split() == ["ID", "PURPOSE", "STATUS", "SIZE", "FILENAME"]
+    assert " dataset " in out.splitlines()[1]
+    get_settings.cache_clear()
+    res = CliRunner().invoke(main, ["jobs", "show", "ftjob-" + "0" * 24, "--json"],
+                             env={"SFT_API_URL": "http://testserver", "SFT_API_TOKEN": gw.tokens[TENANT_A]})
+    get_settings.cache_clear()
+    assert res.exit_code == 1 and res.stdout == ""
+    error = json.loads(res.stderr)["error"]
+    assert error["status"] == 404 and "no such fine-tuning job" in error["message"]

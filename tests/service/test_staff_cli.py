@@ -43,7 +43,7 @@ def test_request_approve_read_audit_revoke(world: World, finetune: Any) -> None:
     code, out = finetune(w.gw.tokens[TENANT_A], "audit", "list")
     assert code == 0 and "read.job_events" in out and "access.approve" in out and "allowed" in out
     code, out = finetune(w.gw.tokens[TENANT_B], "audit", "list", "--json")
-    assert code == 0 and {e["action"] for e in json.loads(out)} <= {"token.create", "token.revoke"}
+    assert code == 0 and {e["action"] for e in json.loads(out)["data"]} <= {"token.create", "token.revoke"}
     code, out = finetune(w.tokens["admin-a"], "access", "revoke", req)
     assert code == 0 and "revoked" in out
     assert w.gw.client.get(f"/v1/staff/jobs/{w.job}/events", headers=w.h("staff")).status_code == 403
@@ -78,8 +78,8 @@ def test_tokens_commands_rotate_saves_the_new_token(world: World, finetune: Any,
     code, out = finetune(laptop["token"], "tokens", "list")
     assert code == 1 and "401" in out
     code, out = finetune(new, "tokens", "list", "--json")
-    assert code == 0 and any(t["id"] == laptop["id"] and t["revoked_at"] for t in json.loads(out))
-    new_id = next(t["id"] for t in json.loads(out) if t["name"] == "laptop" and not t["revoked_at"])
+    assert code == 0 and any(t["id"] == laptop["id"] and t["revoked_at"] for t in json.loads(out)["data"])
+    new_id = next(t["id"] for t in json.loads(out)["data"] if t["name"] == "laptop" and not t["revoked_at"])
     code, out = finetune(w.gw.tokens[TENANT_A], "tokens", "revoke", str(new_id))
     assert code == 1 and "403" in out, "members do not revoke"
     code, out = finetune(w.tokens["admin-a"], "tokens", "revoke", str(new_id))

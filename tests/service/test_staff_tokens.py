@@ -142,7 +142,7 @@ def test_tenants_list_their_tokens(w: World, finetune: Any) -> None:
         assert w.gw.client.get("/v1/tokens", headers=w.h(who)).status_code == 403
     # the user CLI
     code, out = finetune(w.gw.tokens[TENANT_A], "tokens", "list", "--json")
-    assert code == 0 and {t["id"] for t in json.loads(out)} == set(rows)
+    assert code == 0 and {t["id"] for t in json.loads(out)["data"]} == set(rows)
     code, out = finetune(w.gw.tokens[TENANT_A], "tokens", "list")
     assert code == 0 and f"#{minted['id']}" in out and "notebook" in out and f"minted by {LOCAL} (operator)" in out
     assert "decides access" in out and minted["token"] not in out

@@ -148,10 +148,10 @@ def test_members_sign_in_with_munge_and_work_with_no_token_typed(gw: LiveGateway
     shown = json.loads(cli(ALICE, "jobs", "show", extra, "--json"))
     assert (shown["status"], shown["created_by"]) == ("cancelled", ALICE)
     assert json.loads(cli(ALICE, "files", "show", files[ALICE], "--json"))["created_by"] == ALICE
-    entries = json.loads(cli(ALICE, "audit", "list", "--json"))
+    entries = json.loads(cli(ALICE, "audit", "list", "--json"))["data"]
     signed = [e for e in entries if e["action"] == "token.create" and e["actor"] == f"{ALICE} via munge"]
     assert signed, [(e["action"], e["actor"]) for e in entries]
-    tokens = json.loads(cli(ALICE, "tokens", "list", "--json"))
+    tokens = json.loads(cli(ALICE, "tokens", "list", "--json"))["data"]
     assert any(t["kind"] == "personal" and t["name"] == f"{ALICE} via munge" for t in tokens)
 
     # the usage report by person: the gateway's record of who submitted each Slurm job, joined with sacct

@@ -91,7 +91,7 @@ def test_the_comparison_names_the_best_run_by_validation_loss(gw: LiveGateway, s
     assert len(marked) == 1 and best in marked[0], res.stdout
     assert f"finetune models promote {sweep['best']['fine_tuned_model']}" in res.stdout
     listed = json.loads(subprocess.run([sys.executable, "-m", "gateway", "sweeps", "list", "--json"], cwd=ROOT,
-                                       env=env, capture_output=True, text=True, timeout=60).stdout)
+                                       env=env, capture_output=True, text=True, timeout=60).stdout)["data"]
     assert [s["id"] for s in listed] == [sweep["id"]]
 
 
