@@ -77,4 +77,7 @@ rm -rf build ./*.egg-info
 chmod -R a+rX "$PREFIX"
 # `finetune` on PATH for root and for tenant users (the README's commands work as printed)
 ln -sfn "$VENV/bin/finetune" /usr/local/bin/finetune
+# `man finetune`: the manual page, generated from the installed commands
+install -d -m 0755 /usr/local/share/man/man1
+"$VENV/bin/finetune" man --output /usr/local/share/man/man1/finetune.1
 echo "bootstrap: runtime ready: $VENV ($("$VENV/bin/python" --version))"

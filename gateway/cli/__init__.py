@@ -24,10 +24,12 @@ from typing import Any
 
 import click
 
+from gateway.cli.manpage import completion, man
 from gateway.cli.service import broker, demo, dev_cluster, reconcile, serve
 from gateway.cli.sysadmin import admin, tenant
 from gateway.cli.tenantdelete import tenant_delete, tenant_delete_requests
 from gateway.usercli import access, artifacts, audit, deletion, files, jobs, login, staff, sweeps, tokens, webhooks
+from gateway.usercli.client import ApiError
 from gateway.usercli.models import bundle_model, list_aliases, promote_model, show_model
 
 
@@ -52,8 +54,6 @@ def _one_line(e: BaseException) -> str:
 
 def _json_error(e: click.ClickException) -> None:
     """A command run with ``--json`` that fails: OpenAI's error object on stderr, exit 1."""
-    from gateway.usercli.client import ApiError
-
     error = ({**e.error, "status": e.status} if isinstance(e, ApiError)
              else {"message": e.format_message(), "type": "cli_error", "code": None, "param": None, "status": None})
     click.echo(json.dumps({"error": error}), err=True)
@@ -94,7 +94,7 @@ def main() -> None:
     """slurm-finetune: private QLoRA fine-tuning on a shared SLURM cluster."""
 
 
-for _command in (dev_cluster, admin, serve, reconcile, broker, demo,
+for _command in (dev_cluster, admin, serve, reconcile, broker, demo, completion, man,
                  login, files, jobs, sweeps, artifacts, tokens, staff, access, audit, webhooks, deletion):
     main.add_command(_command)
 for _command in (tenant_delete, tenant_delete_requests):     # deleting a tenant (gateway.cli.tenantdelete)

@@ -443,9 +443,8 @@ def cancel(job_id: str, wait: bool, as_json: bool) -> None:
         waited = time.monotonic() - started
         if not as_json and waited - said >= 5:       # a line every 5 s: the wait is alive (issue 35)
             said = waited
-            click.echo(f"  {waited:.0f}s: {obj['status']}"
-                       f"{' (its trainer is checkpointing and stopping)' if obj['status'] == 'cancelling' else ''}",
-                       err=True)
+            why = " (its trainer is checkpointing and stopping)" if obj["status"] == JobState.CANCELLING else ""
+            click.echo(f"  {waited:.0f}s: {obj['status']}{why}", err=True)
     if as_json:
         _echo_json(obj)
     elif obj["status"] == JobState.CANCELLED:

@@ -35,3 +35,24 @@ def test_models_list_is_a_table_with_a_header_and_human_sizes(tmp_path: Path) ->
     assert lines[1].startswith("a-model") and "2.5 MB" in lines[1] and lines[1].endswith("not checked")
     empty = CliRunner().invoke(main, ["models", "list", "--root", str(tmp_path / "none")])
     assert empty.exit_code == 0 and "no models in" in empty.output
+
+
+def test_the_man_page_covers_every_command_and_completion_completes() -> None:
+    """Issue 35: a man page generated from the click commands (the set-up installs it), and documented
+    completion for bash and zsh that really completes."""
+    from click.testing import CliRunner
+
+    from gateway.cli import main
+    from gateway.cli.manpage import _leaves
+
+    page = CliRunner().invoke(main, ["man"])
+    assert page.exit_code == 0 and page.output.startswith(".TH FINETUNE 1")
+    names = [" ".join(("finetune", *p)).replace("-", "\\-") for p, _ in _leaves(main, ())]
+    assert len(names) > 60 and all(f".B {n}\n" in page.output for n in names)
+    assert ".SH SHELL COMPLETION" in page.output and "SFT_API_URL" in page.output
+    for shell in ("bash", "zsh"):
+        script = CliRunner().invoke(main, ["completion", shell])
+        assert script.exit_code == 0 and "_FINETUNE_COMPLETE" in script.output
+    done = CliRunner().invoke(main, [], env={"_FINETUNE_COMPLETE": "bash_complete", "COMP_WORDS": "finetune jo",
+                                             "COMP_CWORD": "1"}, prog_name="finetune")
+    assert "plain,jobs" in done.output.splitlines()
