@@ -254,16 +254,63 @@ def _freed(j: dict[str, Any]) -> str | None:
                                             if isinstance(kept, list) else "")
 
 
+OPENAI_NAMES = {"n_epochs": "epochs", "learning_rate_multiplier": "learning_rate", "batch_size": "batch_size_tokens"}
+"""OpenAI's hyperparameter names and ours, which `jobs show` prints instead (one name per value)."""
+
+
+def _hyperparameters(j: dict[str, Any]) -> str | None:
+    """The job's hyperparameters once each, by our names (OpenAI's only where ours are absent)."""
+    hp = dict(_method_settings(j).get("hyperparameters") or {})
+    for theirs, ours in OPENAI_NAMES.items():
+        if ours in hp:
+            hp.pop(theirs, None)
+    return ", ".join(f"{k}={v}" for k, v in sorted(hp.items())) or None
+
+
+def _evals(j: dict[str, Any]) -> str | None:
+    """Validation loss before training -> after it (and at its best step when that differs)."""
+    evals = [e for e in ((j.get("progress") or {}).get("evals") or []) if isinstance(e.get("loss"), int | float)]
+    if not evals:
+        return None
+    before = next((e for e in evals if e.get("when") == "before"), None)
+    after = next((e for e in reversed(evals) if e.get("when") == "after"), evals[-1])
+    text = f"{before['loss']:.4f} -> " if before is not None else ""
+    return f"{text}{after['loss']:.4f} (step {after.get('step')})"
+
+
+def _duration(j: dict[str, Any]) -> str | None:
+    """How long it took from creation to its end."""
+    start, end = j.get("created_at"), j.get("finished_at")
+    if not start or not end:
+        return None
+    secs = int(end - start)
+    hours = f"{secs // 3600}h" if secs >= 3600 else ""
+    return f"{hours}{secs % 3600 // 60}m{secs % 60:02d}s"
+
+
+def _result_names(j: dict[str, Any]) -> str | None:
+    """The job's result files as ``file-id (name)``."""
+    names = []
+    for fid in j.get("result_files") or []:
+        try:
+            name = call("GET", f"/v1/files/{fid}").json().get("filename", "?")
+        except click.ClickException:
+            name = "?"
+        names.append(f"{fid} ({str(name).removeprefix(j['id'] + '-')})")
+    return ", ".join(names) or None
+
+
 def _show_text(j: dict[str, Any]) -> None:
     rows = [("status", progress_line(j)), ("model", j["model"]),
             ("fine-tuned model", j.get("fine_tuned_model")), ("training file", j["training_file"]),
             ("validation file", j.get("validation_file")), ("slurm job", j.get("slurm_job_id")),
             ("attempt", j.get("attempt")), ("qos", j.get("qos")), ("created", _when(j.get("created_at"))),
-            ("finished", _when(j.get("finished_at"))), ("trained tokens", j.get("trained_tokens")),
-            ("cleanup", j.get("cleanup")), ("result files", ", ".join(j.get("result_files") or []) or None),
+            ("finished", _when(j.get("finished_at"))), ("took", _duration(j)),
+            ("trained tokens", j.get("trained_tokens")), ("eval loss", _evals(j)),
+            ("cleanup", j.get("cleanup")), ("result files", _result_names(j)),
             ("storage freed", _freed(j)),
             ("method", (j.get("method") or {}).get("type")),
-            ("hyperparameters", json.dumps(_method_settings(j).get("hyperparameters")))]
+            ("hyperparameters", _hyperparameters(j))]
     click.echo(j["id"])
     for name, value in rows:
         if value not in (None, ""):
