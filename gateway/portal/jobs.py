@@ -67,6 +67,16 @@ def _form_page(request: Request, session: Session, settings: Settings, user: Por
                   no_backend=request.app.state.submitter is None)
 
 
+def likely_training_file(files: list[DataFile]) -> str:
+    """The dataset the form preselects: the one with the most examples (the newest of those), not simply
+    the newest (which is often the validation file, uploaded last: issue 35); "" when there is none."""
+    def examples(f: DataFile) -> int:
+        n = ((f.validation or {}).get("stats") or {}).get("examples")
+        return n if isinstance(n, int) else 0
+    best = max(files, key=lambda f: (examples(f), f.created_at), default=None)
+    return best.id if best is not None else ""
+
+
 @router.get("/new")
 def new_job(request: Request, session: SessionDep, settings: SettingsDep, user: UserDep,
             training_file: str | None = Query(None, pattern=JOB_ID)) -> Response:
@@ -74,8 +84,7 @@ def new_job(request: Request, session: SessionDep, settings: SettingsDep, user: 
     form = JobForm(model=settings.default_model or "", training_file=training_file or "",
                    idempotency_key=secrets.token_urlsafe(16))
     if not form.training_file:
-        files = _usable_files(session, user)
-        form.training_file = files[0].id if files else ""
+        form.training_file = likely_training_file(_usable_files(session, user))
     if form.training_file:   # the method the chosen file's format trains with
         try:
             form.method = jobcreate.method_for(files_svc.get_file(session=session, principal=user.principal,

@@ -57,6 +57,9 @@ def print_report(obj: dict[str, Any]) -> None:
         click.echo(f"    {where}: [{e['kind']}] {e['message']}")
     for kind, n in sorted((v.get("warning_counts") or {}).items()):
         click.echo(f"  warning {kind}: {n}")
+        for w in [w for w in v.get("warnings") or [] if w.get("kind") == kind][:5]:
+            where = f"line {w['line']}" if w.get("line") else "file"   # where, as the portal's page says
+            click.echo(f"    {where}: {w.get('message')}")
 
 
 @files.command("upload")

@@ -88,3 +88,33 @@ def test_charts_are_png() -> None:
         assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000
     empty = usage_report([], HOUR, now=RECORDED_AT)
     assert usage_png(empty).startswith(b"\x89PNG")
+
+
+def test_charts_do_not_mislead() -> None:
+    """Issue 35: 20 tenants get 20 colours (tab10 repeated from the 11th), the legend sits beside the
+    bars (it covered them), and the wait histogram counts runs in whole numbers (it showed 0.5 runs)."""
+    from dataclasses import replace
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from accounting.charts import _gpu_hours_axes, _wait_axes, tenant_colour
+
+    assert len({tenant_colour(i) for i in range(20)}) == 20
+    report = usage_report(sacct("sacct_final.txt"), HOUR, now=RECORDED_AT)
+    day = next(iter(next(iter(report.gpu_hours_by_tenant_day.values()))))
+    many = replace(report, gpu_hours_by_tenant_day={f"tenant-{i:02d}": {day: 1.0 + i} for i in range(15)})
+    fig = Figure(figsize=(8, 4))
+    ax = fig.add_subplot()
+    _gpu_hours_axes(ax, many)
+    fig.tight_layout()
+    FigureCanvasAgg(fig).draw()
+    legend = ax.get_legend()
+    assert legend is not None and legend.get_window_extent().x0 >= ax.get_window_extent().x1
+    colours = {tuple(p.get_facecolor()) for p in ax.patches}
+    assert len(colours) == 15
+    fig2 = Figure()
+    ax2 = fig2.add_subplot()
+    _wait_axes(ax2, (3.0, 5.0, 40.0))
+    FigureCanvasAgg(fig2).draw()
+    assert all(float(t).is_integer() for t in ax2.get_yticks())

@@ -76,6 +76,16 @@
     });
   }
 
+  // New-job form: the DPO beta field only for a DPO job.
+  function enhanceMethod() {
+    const method = document.getElementById("method");
+    const beta = document.getElementById("beta-field");
+    if (!method || !beta) return;
+    function sync() { beta.hidden = method.value !== "dpo"; }
+    method.addEventListener("change", sync);
+    sync();
+  }
+
   // New-job form: refresh the estimate (tokens, time, QOS tier) when the file or epochs change.
   function enhanceEstimate() {
     const box = document.getElementById("estimate");
@@ -129,7 +139,7 @@
     return out;
   }
 
-  // The loss chart: training loss as a line, evaluation loss as a dashed line with dots.
+  // The loss chart: training loss as a line, evaluation loss as dots (joined by a dashed line from three on).
   // The drawing uses the element's own pixel width so labels keep their size on a phone.
   function drawChart(svg, series) {
     while (svg.firstChild) svg.removeChild(svg.firstChild);
@@ -163,8 +173,11 @@
     [["train", series.train], ["eval", series.eval]].forEach(function (pair) {
       const pts = pair[1];
       if (!pts.length) return;
-      svg.appendChild(el("polyline", { class: "line " + pair[0],
-        points: pts.map(function (p) { return sx(p[0]).toFixed(1) + "," + sy(p[1]).toFixed(1); }).join(" ") }));
+      // two evaluations (before and after) are two measurements, not a trend: dots, no line between them
+      if (pair[0] !== "eval" || pts.length > 2) {
+        svg.appendChild(el("polyline", { class: "line " + pair[0],
+          points: pts.map(function (p) { return sx(p[0]).toFixed(1) + "," + sy(p[1]).toFixed(1); }).join(" ") }));
+      }
       if (pair[0] === "eval" || pts.length === 1) {
         pts.forEach(function (p) {
           const dot = el("circle", { cx: sx(p[0]), cy: sy(p[1]), r: 3.5, class: "dot " + pair[0] });
@@ -219,6 +232,7 @@
     enhanceUpload();
     enhanceConfirms();
     enhanceEstimate();
+    enhanceMethod();
     setupJob();
   });
 })();
