@@ -167,6 +167,21 @@ def gw(settings: Settings) -> Iterator[Gateway]:
     g.app.state.engine.dispose()
 
 
+class RecordingSubmitter:
+    """``jobcreate.Submit`` without Slurm, for tests about what create admits, records and shows: keeps
+    each spec it is given and answers the next fake Slurm id under QOS ft-small."""
+
+    def __init__(self) -> None:
+        self.specs: dict[str, Any] = {}
+
+    def __call__(self, job: Any, spec: Any, tenant: str) -> tuple[int, str]:
+        self.specs[job.id] = spec
+        return 1000 + len(self.specs), "ft-small"
+
+    def qos_for(self, tenant: str, minutes: int, gpus: int = 1) -> str:
+        return "ft-small"
+
+
 def cli_over(gw: Gateway, monkeypatch: pytest.MonkeyPatch) -> Any:
     """``run(token, *args) -> (exit code, output)``: the real `finetune` CLI, its HTTP calls served
     by ``gw``'s in-process app."""

@@ -17,26 +17,12 @@ from sqlmodel import Session, select
 
 from gateway.config import Settings
 from gateway.models import FineTuningJob
-from tests.service.conftest import TENANT_A, Gateway
+from tests.service.conftest import TENANT_A, Gateway, RecordingSubmitter
 from trainer.contract.spec import HYPERPARAMETER_DEFAULTS, JobSpec
 
 pytestmark = pytest.mark.service
 BASE_LR = HYPERPARAMETER_DEFAULTS["learning_rate"]
 JOBS = "/v1/fine_tuning/jobs"
-
-
-class RecordingSubmitter:
-    """``jobcreate.Submit`` without Slurm: keeps each spec it is given."""
-
-    def __init__(self) -> None:
-        self.specs: dict[str, JobSpec] = {}
-
-    def __call__(self, job: FineTuningJob, spec: JobSpec, tenant: str) -> tuple[int, str]:
-        self.specs[job.id] = spec
-        return 1000 + len(self.specs), "ft-small"
-
-    def qos_for(self, tenant: str, minutes: int, gpus: int = 1) -> str:
-        return "ft-small"
 
 
 def short_lines(n: int) -> bytes:

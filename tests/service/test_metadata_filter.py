@@ -10,26 +10,10 @@ from pathlib import Path
 import pytest
 
 from gateway.config import Settings
-from gateway.models import FineTuningJob
 from gateway.services.jobreads import metadata_filter
-from tests.service.conftest import TENANT_A, TENANT_B, Gateway, chat_lines
-from trainer.contract.spec import JobSpec
+from tests.service.conftest import TENANT_A, TENANT_B, Gateway, RecordingSubmitter, chat_lines
 
 pytestmark = pytest.mark.service
-
-
-class RecordingSubmitter:
-    """``jobcreate.Submit`` without Slurm."""
-
-    def __init__(self) -> None:
-        self.n = 0
-
-    def __call__(self, job: FineTuningJob, spec: JobSpec, tenant: str) -> tuple[int, str]:
-        self.n += 1
-        return 3000 + self.n, "ft-small"
-
-    def qos_for(self, tenant: str, minutes: int, gpus: int = 1) -> str:
-        return "ft-small"
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from gateway.config import Settings
-from tests.service.conftest import TENANT_A, Gateway, chat_lines
-from tests.service.test_tool_datasets import RecordingSubmitter, two_models  # noqa: F401 - the fixture
+from tests.service.conftest import TENANT_A, Gateway, RecordingSubmitter, chat_lines
+from tests.service.test_tool_datasets import two_models  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.service
 JOBS = "/v1/fine_tuning/jobs"

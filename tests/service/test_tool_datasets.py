@@ -15,30 +15,14 @@ from pathlib import Path
 import pytest
 
 from gateway.config import Settings
-from gateway.models import FineTuningJob
-from tests.service.conftest import TENANT_A, Gateway
+from tests.service.conftest import TENANT_A, Gateway, RecordingSubmitter
 from trainer import catalog
 from trainer.contract.lines import LineReader
-from trainer.contract.spec import JobSpec
 from trainer.data import Conversation, tokenize_conversation
 from trainer.toydata import toy_tool_conversations
 
 pytestmark = pytest.mark.service
 JOBS = "/v1/fine_tuning/jobs"
-
-
-class RecordingSubmitter:
-    """``jobcreate.Submit`` without Slurm."""
-
-    def __init__(self) -> None:
-        self.specs: dict[str, JobSpec] = {}
-
-    def __call__(self, job: FineTuningJob, spec: JobSpec, tenant: str) -> tuple[int, str]:
-        self.specs[job.id] = spec
-        return 2000 + len(self.specs), "ft-small"
-
-    def qos_for(self, tenant: str, minutes: int, gpus: int = 1) -> str:
-        return "ft-small"
 
 
 @pytest.fixture(scope="module")
