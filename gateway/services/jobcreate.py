@@ -30,6 +30,7 @@ from gateway.services.jobmodels import CHECKPOINT_MODEL, checkpoint_files, check
 from gateway.services.jobreads import get_job, tenant_id_of
 from gateway.services.jobspec import AUTO, _epochs, job_spec
 from gateway.services.jobwrites import add_event, apply_event
+from gateway.services.speed import Speed, measured_speed, site_speed
 from gateway.state import ACTIVE, Event, FailReason, JobState
 from trainer.contract.spec import HYPERPARAMETER_DEFAULTS, Hyperparameters, JobSpec
 
@@ -228,15 +229,25 @@ def _catalog_entry(settings: Settings, name: str) -> CatalogEntry:
                        code="model_not_found")
 
 
-def estimate(settings: Settings, train: DataFile, epochs: int, gpus: int = 1) -> tuple[int, int]:
+CALIBRATED_FLOOR_MIN = 3    # the shortest time limit a measured speed gives (the site's guess: 5)
+
+
+def estimate(settings: Settings, train: DataFile, epochs: int, gpus: int = 1,
+             speed: Speed | None = None) -> tuple[int, int]:
     """(training tokens, time limit in minutes) for --time: backfill can place small jobs.
 
     ``gpus`` ranks share the tokens (data parallel); the estimate counts them at
-    ``settings.parallel_efficiency`` each beyond the first, never faster than that."""
+    ``settings.parallel_efficiency`` each beyond the first, never faster than that. With a
+    ``speed`` measured on this site's finished jobs of the model (``services.speed``: wall time,
+    overhead included) it takes that instead of ``throughput_tokens_per_s`` + ``job_overhead_s``;
+    the limit is 1.5x the expected time either way."""
     stats = (train.validation or {}).get("stats") or {}
     tokens = (stats.get("tokens") or {}).get("total") or max(1, train.bytes // 4)
     training_tokens = int(tokens) * epochs
     speedup = 1 + (gpus - 1) * settings.parallel_efficiency
+    if speed is not None:
+        seconds = training_tokens / (speed.tokens_per_s * speedup)
+        return training_tokens, max(CALIBRATED_FLOOR_MIN, math.ceil(1.5 * seconds / 60))
     seconds = training_tokens / (settings.throughput_tokens_per_s * speedup) + settings.job_overhead_s
     return training_tokens, max(5, math.ceil(1.5 * seconds / 60))
 
@@ -290,19 +301,19 @@ def _widened(job: FineTuningJob) -> str | None:
             f"ranks has a row of {budget // job.gpus} tokens every step")
 
 
-def epochs_admitted(settings: Settings, train: DataFile, gpus: int) -> int:
+def epochs_admitted(settings: Settings, train: DataFile, gpus: int, speed: Speed | None = None) -> int:
     """The most epochs of ``train`` (up to ``autohp.MAX_DEFAULT_EPOCHS``) that the site's limits on
     tokens and time admit (:func:`_admit`), at least 1: the cap of the epochs ``auto`` chooses, so that
     ``auto`` never makes a job admission refuses."""
     for epochs in range(autohp.MAX_DEFAULT_EPOCHS, 1, -1):
-        tokens, minutes = estimate(settings, train, epochs, gpus)
+        tokens, minutes = estimate(settings, train, epochs, gpus, speed)
         if tokens <= settings.max_tokens_per_job and minutes <= settings.max_wall_min:
             return epochs
     return 1
 
 
 def choose_auto(settings: Settings, train: DataFile, shape: ModelShape | None, hp: dict[str, Any],
-                method: str, gpus: int) -> None:
+                method: str, gpus: int, speed: Speed | None = None) -> None:
     """Fill ``hp`` (our names) with the ``auto`` values it leaves out (``autohp.choose``: from the
     training file's validation statistics and the base's parameter count) and record the choice
     under ``AUTO``. ServiceError (400) when the request itself names ``AUTO``."""
@@ -312,7 +323,7 @@ def choose_auto(settings: Settings, train: DataFile, shape: ModelShape | None, h
     choice = autohp.choose(hp, autohp.DataFacts.from_validation(train.validation, train.bytes),
                            parameters=shape.parameters() if shape is not None else None, method=method,
                            gpus=gpus,
-                           max_epochs=None if "epochs" in hp else epochs_admitted(settings, train, gpus))
+                           max_epochs=None if "epochs" in hp else epochs_admitted(settings, train, gpus, speed))
     hp.update(choice.values)
     hp[AUTO] = choice.record()
 
@@ -349,10 +360,11 @@ def prepare_job(*, session: Session, settings: Settings, principal: Principal, r
         hp["seed"] = req.seed
     check_resources(settings, req.gpus, req.nodes, req.fsdp)
     shape = _model_shape(settings, entry)
-    choose_auto(settings, train, shape, hp, req.method, req.gpus)   # recorded: spec, recovery, estimate agree
+    speed = measured_speed(session, settings, base)     # this site's finished jobs of the model, if enough
+    choose_auto(settings, train, shape, hp, req.method, req.gpus, speed)   # recorded: spec, recovery, estimate agree
     lengths_fit(hp, base, {"training_file": train, "validation_file": val})
     epochs = _epochs(hp)
-    tokens, minutes = estimate(settings, train, epochs, req.gpus)
+    tokens, minutes = estimate(settings, train, epochs, req.gpus, speed)
     if req.time_limit_min is not None:       # the requester knows better (a slow machine, a retry): theirs
         minutes = req.time_limit_min
     _admit(session, settings, tid, tokens, minutes, pending)
@@ -386,6 +398,7 @@ def estimate_job(*, session: Session, settings: Settings, principal: Principal, 
                            "gpu_hours": round(job.gpus * minutes / 1.5 / 60, 3),
                            "batch_size_tokens": (job.hyperparameters or {}).get("batch_size_tokens"),
                            "hyperparameters": dict(job.hyperparameters or {}),   # ours (the route adds OpenAI's)
+                           "speed": _speed_source(settings, measured_speed(session, settings, job.model)),
                            "warnings": [note] if (note := _widened(job)) else []}
     shape = _model_shape(settings, _catalog_entry(settings, job.model))
     if shape is not None:
@@ -400,6 +413,14 @@ def estimate_job(*, session: Session, settings: Settings, principal: Principal, 
         out.update(qos=est.qos, expected_start=int(est.start.timestamp()) if est.start else None,
                    start_reason=est.reason, start_detail=est.why, nodes_planned=est.nodes)
     return out
+
+
+def _speed_source(settings: Settings, speed: Speed | None) -> dict[str, Any]:
+    """What the estimate's time came from: this site's finished jobs of the model, or the site's guess."""
+    if speed is None:
+        return {"source": "site guess", "tokens_per_s": round(site_speed(settings), 1)}
+    return {"source": "measured", "tokens_per_s": round(speed.tokens_per_s, 1), "jobs": speed.jobs,
+            "tenants": speed.tenants}
 
 
 LORA_SHAPE = ("lora_r", "lora_alpha", "target_modules")

@@ -1,0 +1,56 @@
+"""Estimates from measured speed (issue 35): once jobs of a base model have run here, the estimate and
+the time limit take their speed (tokens over wall time, both the gateway's own facts) instead of the
+site's guess; one tenant's slow jobs do not move everyone's estimate; under three jobs the guess stays."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from sqlmodel import Session, select
+
+from gateway.models import FineTuningJob, Tenant, utcnow
+from gateway.services.speed import Run, site_speed, speed_of
+from tests.service.conftest import TENANT_A, TENANT_B, Gateway, chat_lines
+from tests.service.test_metadata_filter import gw_meta  # noqa: F401 - the fixture
+
+pytestmark = pytest.mark.service
+JOBS = "/v1/fine_tuning/jobs"
+
+
+def _finished(gw: Gateway, tenant: str, file_id: str, tokens: int, wall_s: float, n: int) -> None:
+    """``n`` succeeded jobs of tiny-chat for ``tenant``: ``tokens`` each in ``wall_s`` on the node."""
+    with Session(gw.app.state.engine) as s:
+        tid = s.exec(select(Tenant.id).where(Tenant.name == tenant)).one()
+        for _ in range(n):
+            start = utcnow() - timedelta(hours=1)
+            s.add(FineTuningJob(tenant_id=tid, training_file=file_id, model="tiny-chat", status="succeeded",
+                                estimated_tokens=tokens, started_at=start,
+                                finished_at=start + timedelta(seconds=wall_s)))
+        s.commit()
+
+
+def test_the_estimate_takes_the_measured_speed_once_jobs_ran(gw_meta: Gateway) -> None:  # noqa: F811
+    gw = gw_meta
+    file_id = gw.upload(TENANT_A, chat_lines(12)).json()["id"]
+    body = {"model": "tiny-chat", "training_file": file_id, "hyperparameters": {"n_epochs": 1}}
+    guess = gw.client.post(JOBS + "/estimate", headers=gw.auth(TENANT_A), json=body).json()
+    assert guess["speed"]["source"] == "site guess" and guess["time_limit_minutes"] >= 5
+    _finished(gw, TENANT_A, file_id, tokens=600_000, wall_s=600, n=2)          # 1,000 tokens/s
+    _finished(gw, TENANT_B, gw.upload(TENANT_B, chat_lines(12)).json()["id"], tokens=600_000, wall_s=600, n=2)
+    est = gw.client.post(JOBS + "/estimate", headers=gw.auth(TENANT_A), json=body).json()
+    assert est["speed"] == {"source": "measured", "tokens_per_s": 1000.0, "jobs": 4, "tenants": 2}
+    assert est["time_limit_minutes"] == 3           # a few hundred tokens at 1,000/s: the calibrated floor
+
+
+def test_one_tenant_cannot_steer_everyones_speed() -> None:
+    from gateway.config import Settings
+
+    settings = Settings()
+    honest = [Run(t, 1, 1_000_000, 1000.0) for t in (1, 2) for _ in range(3)]       # 1,000 tokens/s
+    slow = [Run(3, 1, 1_000, 1000.0) for _ in range(50)]                              # 1 token/s, 50 jobs
+    speed = speed_of(honest + slow, settings)
+    assert speed is not None and speed.tokens_per_s == 1000.0 and speed.tenants == 3
+    alone = speed_of(slow, settings)
+    assert alone is not None and alone.tokens_per_s == pytest.approx(site_speed(settings) / 8)    # clamped
+    assert speed_of(honest[:2], settings) is None                                     # under 3 jobs: the guess
