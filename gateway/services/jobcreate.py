@@ -229,26 +229,25 @@ def _catalog_entry(settings: Settings, name: str) -> CatalogEntry:
                        code="model_not_found")
 
 
-CALIBRATED_FLOOR_MIN = 3    # the shortest time limit a measured speed gives (the site's guess: 5)
+def expected_seconds(settings: Settings, training_tokens: int, gpus: int = 1, speed: Speed | None = None) -> float:
+    """How long ``training_tokens`` should take on ``gpus`` ranks (counted at ``parallel_efficiency``
+    each beyond the first): at the ``speed`` measured on this site's finished jobs of the model
+    (``services.speed``: wall time, overhead included), else at the site's guess
+    (``throughput_tokens_per_s`` + ``job_overhead_s``)."""
+    speedup = 1 + (gpus - 1) * settings.parallel_efficiency
+    if speed is not None:
+        return training_tokens / (speed.tokens_per_s * speedup)
+    return training_tokens / (settings.throughput_tokens_per_s * speedup) + settings.job_overhead_s
 
 
 def estimate(settings: Settings, train: DataFile, epochs: int, gpus: int = 1,
              speed: Speed | None = None) -> tuple[int, int]:
-    """(training tokens, time limit in minutes) for --time: backfill can place small jobs.
-
-    ``gpus`` ranks share the tokens (data parallel); the estimate counts them at
-    ``settings.parallel_efficiency`` each beyond the first, never faster than that. With a
-    ``speed`` measured on this site's finished jobs of the model (``services.speed``: wall time,
-    overhead included) it takes that instead of ``throughput_tokens_per_s`` + ``job_overhead_s``;
-    the limit is 1.5x the expected time either way."""
+    """(training tokens, time limit in minutes) for --time: backfill can place small jobs. The limit
+    is 1.5x :func:`expected_seconds`, at least 5 minutes (a busy node, a slow start)."""
     stats = (train.validation or {}).get("stats") or {}
     tokens = (stats.get("tokens") or {}).get("total") or max(1, train.bytes // 4)
     training_tokens = int(tokens) * epochs
-    speedup = 1 + (gpus - 1) * settings.parallel_efficiency
-    if speed is not None:
-        seconds = training_tokens / (speed.tokens_per_s * speedup)
-        return training_tokens, max(CALIBRATED_FLOOR_MIN, math.ceil(1.5 * seconds / 60))
-    seconds = training_tokens / (settings.throughput_tokens_per_s * speedup) + settings.job_overhead_s
+    seconds = expected_seconds(settings, training_tokens, gpus, speed)
     return training_tokens, max(5, math.ceil(1.5 * seconds / 60))
 
 
@@ -392,13 +391,16 @@ def estimate_job(*, session: Session, settings: Settings, principal: Principal, 
     job, spec = prepare_job(session=session, settings=settings, principal=principal, req=req, submit=submit,
                             check_memory=False)
     minutes = job.time_limit_min or 60
+    speed = measured_speed(session, settings, job.model)
+    expected = expected_seconds(settings, job.estimated_tokens or 0, job.gpus, speed)
     out: dict[str, Any] = {"object": "fine_tuning.job.estimate", "model": job.model,
                            "estimated_tokens": job.estimated_tokens, "gpus": job.gpus, "nodes": job.nodes,
-                           "time_limit_minutes": minutes, "expected_minutes": max(1, round(minutes / 1.5)),
-                           "gpu_hours": round(job.gpus * minutes / 1.5 / 60, 3),
+                           "time_limit_minutes": minutes, "expected_minutes": max(1, round(expected / 60)),
+                           "expected_seconds": round(expected),
+                           "gpu_hours": round(job.gpus * expected / 3600, 3),
                            "batch_size_tokens": (job.hyperparameters or {}).get("batch_size_tokens"),
                            "hyperparameters": dict(job.hyperparameters or {}),   # ours (the route adds OpenAI's)
-                           "speed": _speed_source(settings, measured_speed(session, settings, job.model)),
+                           "speed": _speed_source(settings, speed),
                            "warnings": [note] if (note := _widened(job)) else []}
     shape = _model_shape(settings, _catalog_entry(settings, job.model))
     if shape is not None:

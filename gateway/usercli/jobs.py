@@ -156,9 +156,13 @@ def estimate_job(as_json: bool, **request: Any) -> None:
     if as_json:
         _echo_json(est)
         return
+    secs = int(est.get("expected_seconds") or est["expected_minutes"] * 60)
+    took = f"{secs // 60} min {secs % 60:02d} s" if secs >= 60 else f"{secs} s"
+    speed = est.get("speed") or {}
+    basis = (f"measured on {speed.get('jobs')} earlier jobs of this model" if speed.get("source") == "measured"
+             else "the site's guess: no jobs of this model measured yet")
     click.echo(f"~{est['estimated_tokens']:,} training tokens on {est['gpus']} GPU(s): about "
-               f"{est['expected_minutes']} min ({est['gpu_hours']} GPU-hours), "
-               f"time limit {est['time_limit_minutes']} min")
+               f"{took} ({est['gpu_hours']} GPU-hours; {basis}), time limit {est['time_limit_minutes']} min")
     if hp := est.get("hyperparameters"):     # what "auto" chose, as the job would show it
         click.echo(f"hyperparameters: n_epochs {hp.get('n_epochs')}, batch_size {hp.get('batch_size')} "
                    f"(batch_size_tokens {hp.get('batch_size_tokens')}), learning_rate_multiplier "

@@ -40,7 +40,7 @@ def test_the_estimate_takes_the_measured_speed_once_jobs_ran(gw_meta: Gateway) -
     _finished(gw, TENANT_B, gw.upload(TENANT_B, chat_lines(12)).json()["id"], tokens=600_000, wall_s=600, n=2)
     est = gw.client.post(JOBS + "/estimate", headers=gw.auth(TENANT_A), json=body).json()
     assert est["speed"] == {"source": "measured", "tokens_per_s": 1000.0, "jobs": 4, "tenants": 2}
-    assert est["time_limit_minutes"] == 3           # a few hundred tokens at 1,000/s: the calibrated floor
+    assert est["time_limit_minutes"] == 5 and est["expected_seconds"] <= 2    # a few hundred tokens at 1,000/s
 
 
 def test_one_tenant_cannot_steer_everyones_speed() -> None:
