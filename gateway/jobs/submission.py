@@ -49,6 +49,17 @@ def pick_qos(allowed: tuple[str, ...], minutes: int, gpus: int = 1) -> str:
     return fits_gpus[0]
 
 
+CANCEL_MARGIN_S = 3
+
+
+def cancel_grace_s(settings: Settings) -> int:
+    """How long a job's batch script lets the trainer stop after the gateway's cancel before it kills
+    it itself: ``CANCEL_MARGIN_S`` under the gateway's ``cancel_deadline_s``, so the script, not the
+    gateway's KILL to the batch step, ends a slow trainer, and Slurm records the job CANCELLED
+    (a KILLed batch step is FAILED 0:9)."""
+    return max(1, int(settings.cancel_deadline_s) - CANCEL_MARGIN_S)
+
+
 def trainer_command(settings: Settings, spec_path: object) -> tuple[str, ...]:
     """What a job runs: the trainer on its spec, or, where the site simulates
     (``simulate_trainer_speedup``), ``trainer.simulate`` at that speed-up."""
@@ -108,6 +119,7 @@ class Submitter:
             gpus=job.gpus // job.nodes, nodes=job.nodes, cpus=self.settings.job_cpus,
             mem_mb=self.settings.job_mem_mb * (job.gpus // job.nodes),
             time_limit_min=job.time_limit_min or 60, grace_s=self.settings.signal_grace_s,
+            cancel_grace_s=cancel_grace_s(self.settings),
             partition=self.settings.slurm_partition,
             env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                  **self.settings.test_job_env})   # the test suite's SFT_TEST_* only (config)

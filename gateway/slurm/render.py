@@ -42,6 +42,9 @@ class JobScript:
     mem_mb: int = 4096
     time_limit_min: int = 60
     grace_s: int = 90
+    # after the gateway's cancel (USR2), the seconds the script gives the trainer before it kills it
+    # itself and records the job CANCELLED (below the gateway's own deadline: see finetune.sbatch)
+    cancel_grace_s: int = 15
     partition: str | None = None
     requeue: bool = True
     env: dict[str, str] = field(default_factory=dict)
@@ -143,6 +146,7 @@ def render_sbatch(job: JobScript) -> str:
         "time_limit": format_time_limit(int(_positive("time_limit_min", job.time_limit_min,
                                                        365 * 24 * 60))),
         "grace_s": _positive("grace_s", job.grace_s, 3600),
+        "cancel_grace_s": _positive("cancel_grace_s", job.cancel_grace_s, 3600),
         "requeue_line": "#SBATCH --requeue\n" if job.requeue else "#SBATCH --no-requeue\n",
         "requeue_exit": str(exitcodes.REQUEUE),
         "job_dir": _directive("job_dir", job.job_dir),
@@ -170,7 +174,8 @@ def render_array(jobs: Sequence[JobScript], *, name: str) -> str:
     if not 1 <= len(jobs) <= MAX_ARRAY_TASKS:
         raise RenderError(f"an array has 1 to {MAX_ARRAY_TASKS} tasks, not {len(jobs)}")
     first = jobs[0]
-    shared = ("account", "qos", "partition", "gpus", "nodes", "cpus", "mem_mb", "grace_s", "requeue")
+    shared = ("account", "qos", "partition", "gpus", "nodes", "cpus", "mem_mb", "grace_s", "cancel_grace_s",
+              "requeue")
     parent = posixpath.dirname(first.job_dir)
     for job in jobs[1:]:
         differ = [k for k in shared if getattr(job, k) != getattr(first, k)]

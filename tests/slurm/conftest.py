@@ -93,12 +93,12 @@ def job_dir(tenant: str) -> Path:
 
 def submit(client: SlurmClient, tenant: str, command: str, *, qos: str = "ft-standard",
            minutes: int = 5, gpus: int = 1, account: str | None = None,
-           interpreter: str = "/bin/bash", requeue: bool = True) -> tuple[int, Path]:
+           interpreter: str = "/bin/bash", requeue: bool = True, cancel_grace_s: int = 15) -> tuple[int, Path]:
     d = job_dir(tenant)
     flag = "-c"
     script = JobScript(job_name="sft-test", account=account or tenant, qos=qos, job_dir=str(d),
                        command=(interpreter, flag, command), gpus=gpus, cpus=1, mem_mb=512,
-                       time_limit_min=minutes, requeue=requeue)
+                       time_limit_min=minutes, requeue=requeue, cancel_grace_s=cancel_grace_s)
     return client.submit(script, user=unix_user_for(tenant)), d
 
 

@@ -110,6 +110,24 @@ def test_cancel_term_ignoring_job_within_deadline(client: SlurmClient,
     assert not client.states([jid])[jid].active
 
 
+def test_a_trainer_slower_than_the_cancel_is_killed_by_its_script_and_recorded_cancelled(
+        client: SlurmClient, tenants: tuple[str, str]) -> None:
+    """Issue 35: a gateway cancel of a trainer that does not stop in time (a long step) once needed the
+    gateway's KILL to the batch step, which Slurm records FAILED 0:9 (the usage report counted it a
+    failure). The batch script now kills its trainer itself after ``cancel_grace_s`` and cancels the
+    job, under the gateway's deadline: CANCELLED in sacct, no escalation."""
+    a, _ = tenants
+    jid, d = submit(client, a, "trap '' TERM; echo started; while true; do sleep 0.2; done", cancel_grace_s=2)
+    wait_output(d / f"slurm-{jid}.out", "started")
+    res = client.cancel(jid, owner=Owner(f"sft-{a}", a), deadline_s=8)
+    print(f"\ncancel of a trainer slower than the cancel: {res.seconds:.2f}s (script's grace 2s, gateway's "
+          f"deadline 8s, escalated={res.escalated})")
+    assert not res.escalated and res.seconds < 8
+    acct = accounting(client, jid)
+    print(f"sacct: {acct.state} {acct.exit}")
+    assert acct.state == "CANCELLED"
+
+
 def test_cancel_polite_job_is_recorded_cancelled(client: SlurmClient,
                                                  tenants: tuple[str, str]) -> None:
     a, _ = tenants

@@ -164,3 +164,19 @@ def test_each_array_task_runs_its_own_jobs_script(tmp_path: Path) -> None:
 def test_an_array_of_unlike_jobs_is_refused(tasks: list[JobScript], why: str) -> None:
     with pytest.raises(RenderError, match=why):
         render_array(tasks, name="ftsweep-1")
+
+
+def test_the_script_kills_a_slow_trainer_itself_before_the_gateways_deadline() -> None:
+    """Issue 35: the gateway's KILL to the batch step made a slow cancel FAILED 0:9 in sacct; the script now
+    kills its trainer itself after cancel_grace_s (under the gateway's deadline) and records CANCELLED."""
+    from gateway.config import Settings
+    from gateway.jobs.submission import CANCEL_MARGIN_S, cancel_grace_s
+
+    assert cancel_grace_s(Settings(cancel_deadline_s=20)) == 20 - CANCEL_MARGIN_S
+    assert cancel_grace_s(Settings(cancel_deadline_s=2)) == 1
+    text = render_sbatch(job(cancel_grace_s=7))
+    assert "readonly CANCEL_GRACE_S=7" in text
+    watchdog = text[text.index("cancel_now() {"):text.index("trap 'cancel_now")]
+    assert 'sleep "$CANCEL_GRACE_S"' in watchdog and 'kill -KILL "$1"' in watchdog
+    after = text[text.index('if [ "$cancelled" = 1 ]; then'):]
+    assert after.index('kill "$watchdog"') < after.index('scancel "$self_id"')
