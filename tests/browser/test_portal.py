@@ -249,6 +249,7 @@ def test_the_new_job_form_preselects_the_training_file_and_shows_beta_only_for_d
     """Issue 35: the form preselected the newest file (the validation file, uploaded last), showed the DPO
     beta field for supervised jobs and cut the Method dropdown off."""
     a = Portal(browser, gateway.url, gateway.tokens[TENANT_B])
+    a.console_errors.clear()     # what signing in as this tenant logged (another test's 404 checks) is not this page's
     train = upload(a, chat_file(tmp_path / "big-train.jsonl", 60, seed=7))
     upload(a, chat_file(tmp_path / "small-val.jsonl", 12, seed=8))          # the newest file
     a.goto("/portal/jobs/new")

@@ -109,7 +109,6 @@ def _as_nobody(argv: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Co
                     reason="needs root (to run as nobody) and the installed runtime")
 @pytest.mark.parametrize("argv", [
     ["admin", "token", "create", "--tenant", "demo", "--name", "x"],     # the traceback: the DB
-    ["admin", "tenant", "list"],
     ["admin", "report", "usage"],
     ["demo", "--local", "--tiny"],                                       # the other: demo-output
     ["files", "list"],
