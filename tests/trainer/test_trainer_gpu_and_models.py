@@ -56,8 +56,11 @@ def test_models_cli_add_and_list(tiny: Tiny, tmp_path: Path) -> None:
     added = runner.invoke(models, ["add", str(tiny.path), "--name", "m1", "--root", str(tmp_path / "r")])
     assert added.exit_code == 0, added.output
     assert f"m1 {tiny.digest}" in added.output and "packing check passed" in added.output
+    assert "tool calling: its chat template renders tools" in added.output
     listed = runner.invoke(models, ["list", "--root", str(tmp_path / "r")])
-    assert listed.exit_code == 0 and listed.output.startswith("m1\tsha256:")
+    rows = listed.output.splitlines()
+    assert listed.exit_code == 0 and rows[0].startswith("NAME") and rows[1].split()[:2] == ["m1", tiny.digest[:19]]
+    assert rows[1].endswith("yes")                       # the tiny model's template renders tool calling
     missing = runner.invoke(models, ["add", str(tmp_path / "nope"), "--name", "x"])
     assert missing.exit_code != 0
 
