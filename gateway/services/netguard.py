@@ -16,6 +16,7 @@ import ipaddress
 import socket
 import ssl
 from collections.abc import Iterable, Sequence
+from urllib.parse import SplitResult, urlsplit
 
 import httpcore
 import httpx
@@ -43,6 +44,19 @@ _GLOBAL_UNICAST_V6 = ipaddress.IPv6Network("2000::/3")
 class NotPublic(Exception):
     """The host does not resolve, or one of its addresses is not public. The text names the
     address: it is for the site's log, never for the tenant."""
+
+
+def http_target(url: str) -> tuple[SplitResult, str, int] | None:
+    """(the split URL, host, port) of an http(s) URL with a host, a valid port and no credentials in it;
+    None for any other: what an outbound call to a tenant-given URL (webhook, tracking server) accepts."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.username or parts.password or not port:
+        return None
+    return parts, parts.hostname, port
 
 
 def refusal(addr: IPAddress) -> str | None:

@@ -20,7 +20,6 @@ import json
 import logging
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from sqlmodel import Session
 
@@ -56,16 +55,11 @@ class MlflowIntegration:
 
 def target(url: str, param: str) -> tuple[str, int]:
     """(host, port) of an http(s) URL without credentials, query or fragment; ServiceError naming ``param``."""
-    parts = urlsplit(url)
-    try:
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-    except ValueError:
-        port = 0
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.username or parts.password \
-            or parts.query or parts.fragment or not port:
+    target = netguard.http_target(url)
+    if target is None or target[0].query or target[0].fragment:
         raise ServiceError(f"{param} must be http(s)://host[:port][/path], without credentials (give them as "
                            "token, or username and password, beside it)", param=param)
-    return parts.hostname, port
+    return target[1], target[2]
 
 
 def dial_addresses(url: str, settings: Settings, param: str = "tracking_uri") -> list[netguard.IPAddress]:

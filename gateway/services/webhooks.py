@@ -33,7 +33,6 @@ import secrets
 import time
 from datetime import timedelta
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 from sqlmodel import Session, col, select
@@ -55,15 +54,10 @@ MAX_ENDPOINTS = 10       # per tenant
 
 def _target(url: str) -> tuple[str, int]:
     """(host, port) of an http(s) URL without credentials; ServiceError (400, ``url``) otherwise."""
-    parts = urlsplit(url)
-    try:
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-    except ValueError:
-        port = 0
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.username or parts.password \
-            or not port:
+    target = netguard.http_target(url)
+    if target is None:
         raise ServiceError("url must be http(s)://host[:port]/path, without credentials", param="url")
-    return parts.hostname, port
+    return target[1], target[2]
 
 
 def _checked(host: str, port: int) -> list[netguard.IPAddress]:
