@@ -50,6 +50,10 @@ class MlflowRunStatus(StrEnum):
     KILLED = "KILLED"
 
 
+LOCAL_QOS = "local"
+"""The QOS a local-mode job reports (``gateway.slurm.local``): no Slurm tier; the CLI says "local job"."""
+
+
 class JobState(StrEnum):
     VALIDATING_FILES = "validating_files"
     QUEUED = "queued"

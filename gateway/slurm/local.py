@@ -39,6 +39,7 @@ from gateway.errors import ServiceError, SlurmError
 from gateway.slurm import records as rec
 from gateway.slurm.client import CancelResult, JobStatus
 from gateway.slurm.render import JobScript
+from gateway.state import LOCAL_QOS
 from gateway.state import SlurmState as S
 from trainer.contract import exitcodes
 
@@ -46,7 +47,7 @@ BANNER = ("LOCAL MODE: jobs run as {user} on this machine, without Slurm. Tenant
           "and node scrubbing are OFF: every tenant's data belongs to {user}. For trying slurm-finetune "
           "alone, never for shared use. Data: {data_dir}")
 NODE = "local"
-QOS = "local"
+QOS = LOCAL_QOS
 
 
 class LocalModeError(SystemExit):

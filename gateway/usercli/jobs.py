@@ -11,8 +11,8 @@ from typing import Any
 
 import click
 
+from gateway.state import LOCAL_QOS, JobState
 from gateway.state import TERMINAL as TERMINAL_STATES
-from gateway.state import JobState
 from gateway.usercli.client import Unreachable, _echo_json, _when, call
 from trainer.contract.spec import HYPERPARAMETER_BOUNDS, HYPERPARAMETER_DEFAULTS, JOB_BOUNDS, Bounds
 
@@ -46,9 +46,6 @@ def _parse_hp(pairs: tuple[str, ...]) -> dict[str, Any]:
         except ValueError:
             out[key.strip()] = raw
     return out
-
-
-LOCAL_QOS = "local"     # gateway.slurm.local.QOS, what a local-mode job reports (the CLI imports no scheduler)
 
 
 @click.group("jobs")
