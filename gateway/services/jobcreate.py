@@ -108,9 +108,14 @@ METHODS = {"supervised": "chat", "dpo": "preference"}
 """Each training method and the dataset format it trains on (the upload validator's ``stats.format``)."""
 
 
+def _stats(row: DataFile) -> dict[str, Any]:
+    """File ``row``'s validation statistics (``{}`` for a file validated before they existed)."""
+    return dict((row.validation or {}).get("stats") or {})
+
+
 def _file_format(row: DataFile) -> str:
     """File ``row``'s format as its validation found it (a file validated before formats existed is chat)."""
-    return str(((row.validation or {}).get("stats") or {}).get("format") or "chat")
+    return str(_stats(row).get("format") or "chat")
 
 
 def method_for(row: DataFile) -> str:
@@ -131,7 +136,7 @@ def _fits_method(row: DataFile, method: str, param: str) -> None:
 
 def _tool_lines(row: DataFile) -> int:
     """How many lines of file ``row`` declare tools (its validation's ``stats.tools``)."""
-    return int((((row.validation or {}).get("stats") or {}).get("tools") or {}).get("lines_with_tools") or 0)
+    return int((_stats(row).get("tools") or {}).get("lines_with_tools") or 0)
 
 
 def tools_fit(settings: Settings, entry: CatalogEntry, files: dict[str, DataFile | None]) -> None:
@@ -161,7 +166,7 @@ def tools_fit(settings: Settings, entry: CatalogEntry, files: dict[str, DataFile
 def longest_example(row: DataFile) -> int | None:
     """The most tokens an example of file ``row`` holds by its validation's counts (a pair: prompt + its
     longer side, what a DPO step holds), or None when they were not counted."""
-    stats = (row.validation or {}).get("stats") or {}
+    stats = _stats(row)
     pref = stats.get("preference") or {}
     if pref:
         sides = [(pref.get(side) or {}).get("max") for side in ("chosen", "rejected")]
@@ -178,7 +183,7 @@ def lengths_fit(hp: dict[str, Any], base: str, files: dict[str, DataFile | None]
     tokenizer is left to the trainer (its counts are not this base's)."""
     limit = int(hp.get("max_seq_len", HYPERPARAMETER_DEFAULTS["max_seq_len"]))
     for param, row in files.items():
-        if row is None or ((row.validation or {}).get("stats") or {}).get("tokenizer") != base:
+        if row is None or _stats(row).get("tokenizer") != base:
             continue
         longest = longest_example(row)
         if longest is not None and longest > limit:
@@ -244,7 +249,7 @@ def estimate(settings: Settings, train: DataFile, epochs: int, gpus: int = 1,
              speed: Speed | None = None) -> tuple[int, int]:
     """(training tokens, time limit in minutes) for --time: backfill can place small jobs. The limit
     is 1.5x :func:`expected_seconds`, at least 5 minutes (a busy node, a slow start)."""
-    stats = (train.validation or {}).get("stats") or {}
+    stats = _stats(train)
     tokens = (stats.get("tokens") or {}).get("total") or max(1, train.bytes // 4)
     training_tokens = int(tokens) * epochs
     seconds = expected_seconds(settings, training_tokens, gpus, speed)
