@@ -273,7 +273,8 @@ class SlurmClient:
         ``scancel`` would leave escalation to Slurm's ``KillWait`` (a CANCELLED job
         takes no further signals), and a plain SIGTERM could not be told from
         Slurm's own (requeue, time limit). The batch script then records the job
-        CANCELLED itself; a job that needed SIGKILL ends FAILED (signal 9). A pending job is simply
+        CANCELLED itself, killing a trainer still running ``cancel_grace_s`` after the first USR2 (a
+        script that cannot, and needs this KILL to its batch step, ends FAILED, signal 9). A pending job is simply
         cancelled. Returns when Slurm reports no process of the job left, with
         how long that took. Raises SlurmCommandError if even SIGKILL does not
         end it within ``kill_wait_s``.
