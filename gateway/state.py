@@ -242,8 +242,8 @@ def from_slurm(state: str | None, exit_code: int | None = None, *, was_running: 
         return SlurmView(Event.COMPLETED)
     if s == S.TIMEOUT:
         return SlurmView(Event.ERROR, FailReason.TIMEOUT,
-                         "the job reached its time limit; it was checkpointed and requeued as long as "
-                         "requeues were left: ask for more time or fewer epochs")
+                         "the job reached its time limit (its newest checkpoint is kept): continue it "
+                         "with from_checkpoint and more time, or ask for fewer epochs")
     if s in (S.NODE_FAIL, S.BOOT_FAIL):
         return SlurmView(Event.ERROR, FailReason.NODE_FAIL,
                          "the compute node failed; submit the job again")

@@ -38,11 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint import fsync_dir
+from trainer.contract import jobdir
 from trainer.contract.errors import ExportError
 from trainer.model import load_base_model
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_CONFIG = jobdir.ADAPTER_CONFIG
 CHAT_TEMPLATE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 TOKENIZER_FILES = ("tokenizer.json", TOKENIZER_CONFIG, "special_tokens_map.json", CHAT_TEMPLATE,

@@ -40,6 +40,7 @@ positions, ``LOGIT_CHUNK`` at a time (:func:`row_loss`).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 from collections.abc import Callable
@@ -270,6 +271,16 @@ def add_lora(model: Any, hp: Hyperparameters, dropout: bool = True) -> Any:
     if not dropout:
         disable_dropout(model)
     return model
+
+
+def adapter_config_json(model: Any) -> bytes:
+    """``model``'s LoRA config as peft's ``save_pretrained`` writes ``adapter_config.json`` (sets as
+    lists, keys sorted), from the peft model itself or the one a parallel wrapper holds (``.module``):
+    what a checkpoint carries so that a job that never finished still leaves adapters peft loads."""
+    inner = model if hasattr(model, "peft_config") else getattr(model, "module", model)
+    config = inner.peft_config["default"].to_dict()
+    return json.dumps({k: sorted(v) if isinstance(v, set) else v for k, v in config.items()},
+                      indent=2, sort_keys=True, default=str).encode()
 
 
 def _loaded_compute_dtype(model: Any) -> torch.dtype | None:

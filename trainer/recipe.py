@@ -77,6 +77,7 @@ from trainer.events import EventLog
 from trainer.heap import map_large_blocks
 from trainer.model import (
     accumulate_gradients,
+    adapter_config_json,
     add_lora,
     compile_layers,
     eval_metrics,
@@ -634,6 +635,7 @@ class Recipe:
             jobdir.CKPT_ADAPTER: save_safetensors(adapter),
             jobdir.CKPT_STATE: buffer.getvalue(),
             jobdir.CKPT_PROGRESS: json.dumps(progress).encode(),
+            jobdir.ADAPTER_CONFIG: adapter_config_json(self.model),
         }
         if self.best_adapter is not None:  # inside each checkpoint: pruning never loses it
             files[jobdir.CKPT_BEST] = save_safetensors(self.best_adapter)

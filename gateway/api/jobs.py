@@ -121,7 +121,8 @@ def job_object(job: FineTuningJob | Any, tenant: str) -> dict[str, Any]:
         # ours
         "created_by": job.created_by,     # the person (or service token) who submitted it
         "slurm_job_id": job.slurm_job_id, "attempt": job.attempt, "phase": job.phase, "qos": job.qos,
-        "resources": {"gpus": job.gpus, "nodes": job.nodes, "fsdp": job.fsdp},
+        "resources": {"gpus": job.gpus, "nodes": job.nodes, "fsdp": job.fsdp,
+                      "time_limit_minutes": job.time_limit_min or 60},
         "cleanup": job.cleanup, "stop_confirmed": job.stop_confirmed_at is not None,
         "progress": {k: v for k, v in (job.progress or {}).items() if k not in jobreads.INTERNAL_PROGRESS},
     }

@@ -189,10 +189,12 @@ def _onboard(settings: Settings, echo: Callable[[str], None]) -> str:
 
 
 def _next_steps(settings: Settings, token: str, job: dict[str, Any], out: Path, echo: Callable[[str], None],
-                failed: str | None = None) -> None:
+                failed: str | None = None, hyperparameters: dict[str, Any] | None = None,
+                checkpoints: list[int] | None = None) -> None:
     """Where the results are and what to run next, with the tenant's token saved for the CLI: after a
     job that succeeded, and after one that did not (``failed``: its training file, for the command
-    that trains it again), so the README's next commands work either way."""
+    that trains it again with ``hyperparameters``; on from its newest checkpoint when it left
+    ``checkpoints``), so the README's next commands work either way."""
     saved = save_credentials(SERVE_URL, token)
     serve = "finetune serve"
     if settings.local:
@@ -204,14 +206,31 @@ def _next_steps(settings: Settings, token: str, job: dict[str, Any], out: Path, 
          f"        {serve} &\n"
          f"        finetune jobs list")
     if failed is not None:
-        echo(f"        finetune jobs show {job['id']}            # what happened, its events\n"
-             f"        finetune jobs create --training-file {failed} --model {job['model']} "
-             f"--time {2 * max(1, int(job.get('time_limit_min') or 10))}   # again, with twice the time")
+        again = (f"finetune jobs create --training-file {failed} --model {job['model']} "
+                 f"{_flags(hyperparameters or {})} --time {2 * int(job['resources']['time_limit_minutes'])}")
+        echo(f"        finetune jobs show {job['id']}            # what happened, its events")
+        if checkpoints:
+            echo(f"        {again} --from-checkpoint {job['id']}   # on from its newest checkpoint (step "
+                 f"{max(checkpoints)}), with twice the time")
+        else:
+            echo(f"        {again}   # again, with twice the time")
 
 
-def run_demo(settings: Settings, echo: Callable[[str], None] = print, *, tiny: bool = False) -> int:
+HP_FLAGS = {"n_epochs": "--epochs", "learning_rate_multiplier": "--learning-rate-multiplier",
+            "batch_size_tokens": "--batch-size-tokens", "max_seq_len": "--max-seq-len"}
+"""The hyperparameters `finetune jobs create` has a flag for; any other goes as ``--hp KEY=VALUE``."""
+
+
+def _flags(hyperparameters: dict[str, Any]) -> str:
+    """``hyperparameters`` as `finetune jobs create` flags, so that a printed command trains the same way."""
+    return " ".join(f"{HP_FLAGS[k]} {v}" if k in HP_FLAGS else f"--hp {k}={v}" for k, v in hyperparameters.items())
+
+
+def run_demo(settings: Settings, echo: Callable[[str], None] = print, *, tiny: bool = False,
+             time_limit_min: int | None = None) -> int:
     """Run the walk-through; return 0 when the job succeeded, its adapter loads and (SmolLM2) the
-    fine-tuned model follows the taught format on the held-out prompts."""
+    fine-tuned model follows the taught format on the held-out prompts. ``time_limit_min``: the job's
+    time limit instead of the estimate's (a slow machine)."""
     from trainer import catalog  # lazy: the trainer side, for the demo only
     from trainer.quiet import quiet_libraries  # lazy: the trainer side, for the demo only
 
@@ -247,7 +266,8 @@ def run_demo(settings: Settings, echo: Callable[[str], None] = print, *, tiny: b
     job = client.post("/v1/fine_tuning/jobs", json={
         "model": task.model, "training_file": uploaded["train.jsonl"],
         "validation_file": uploaded.get("validation.jsonl"), "suffix": "demo",
-        "hyperparameters": task.hyperparameters}).json()
+        "hyperparameters": task.hyperparameters,
+        **({"resources": {"time_limit_minutes": time_limit_min}} if time_limit_min else {})}).json()
     if "error" in job and "id" not in job:
         echo(f"job creation failed: {job['error']['message']}")
         return 1
@@ -265,8 +285,11 @@ def run_demo(settings: Settings, echo: Callable[[str], None] = print, *, tiny: b
             last = line.split("  ETA")[0]
     if job["status"] != JobState.SUCCEEDED:
         echo(f"[6/7] FAILED: {job['status']}: {(job.get('error') or {}).get('message')}")
+        steps = [c["step_number"] for c in client.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints",
+                                                      params={"limit": 100}).json().get("data", [])]
         server.stop()
-        _next_steps(settings, token, job, out, echo, failed=uploaded["train.jsonl"])
+        _next_steps(settings, token, job, out, echo, failed=uploaded["train.jsonl"],
+                    hyperparameters=task.hyperparameters, checkpoints=steps)
         return 1
     files: dict[str, Path] = {}
     for fid in job["result_files"]:

@@ -191,12 +191,16 @@ def broker(socket_path: Path | None) -> None:
 @click.command("demo")
 @click.option("--tiny", is_flag=True, help="The tiny random model instead of SmolLM2-135M-Instruct: a quick "
               "check of the plumbing (seconds of training), nothing a person can read.")
+@click.option("--time", "time_limit", type=click.IntRange(1, 24 * 60), metavar="MINUTES",
+              help="The job's time limit instead of the estimate's (a slow or busy machine).")
 @local_options
 @friendly_errors
-def demo(tiny: bool, local: bool, data_dir: Path | None) -> None:
+def demo(tiny: bool, time_limit: int | None, local: bool, data_dir: Path | None) -> None:
     """End-to-end walk-through: tenant, base model, dataset, QLoRA job, before/after.
 
-    On the dev cluster (root), or with --local as an ordinary user without Slurm."""
+    On the dev cluster (root), or with --local as an ordinary user without Slurm. A job that fails
+    (a time limit on a slow machine) leaves its checkpoints: the demo prints the command that
+    continues from the newest."""
     from gateway.cli.demo import run_demo  # lazy: the demo's DB layer and HTTP client, this command only
 
-    sys.exit(run_demo(_settings(local, data_dir), echo=click.echo, tiny=tiny))
+    sys.exit(run_demo(_settings(local, data_dir), echo=click.echo, tiny=tiny, time_limit_min=time_limit))

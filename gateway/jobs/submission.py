@@ -13,7 +13,7 @@ from gateway.models import FineTuningJob
 from gateway.services import jobcreate
 from gateway.slurm.admin import Admin
 from gateway.slurm.local import QOS as LOCAL_QOS
-from gateway.slurm.render import JobScript
+from gateway.slurm.render import JobScript, warning_s
 from gateway.slurm.scheduler import Scheduler
 from gateway.storage import TenantRunner, layout, storage_for
 from gateway.storage.layout import unix_user_for
@@ -118,7 +118,8 @@ class Submitter:
             command=trainer_command(self.settings, spec_path),
             gpus=job.gpus // job.nodes, nodes=job.nodes, cpus=self.settings.job_cpus,
             mem_mb=self.settings.job_mem_mb * (job.gpus // job.nodes),
-            time_limit_min=job.time_limit_min or 60, grace_s=self.settings.signal_grace_s,
+            time_limit_min=job.time_limit_min or 60,
+            grace_s=warning_s(self.settings.signal_grace_s, job.time_limit_min or 60),
             cancel_grace_s=cancel_grace_s(self.settings),
             partition=self.settings.slurm_partition,
             env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",

@@ -19,6 +19,7 @@ from gateway.models import FineTuningJob
 from gateway.services.jobwrites import add_event, update_fields
 from gateway.slurm.client import JobStatus
 from gateway.slurm.records import Owner
+from gateway.slurm.render import warning_s
 from gateway.slurm.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -32,8 +33,9 @@ def watch_running(s: Session, job: FineTuningJob, st: JobStatus, *, settings: Se
     start = st.queue.start if st.queue is not None else None
     time_left = ((start.timestamp() + (job.time_limit_min or 60) * 60) - time.time()) if start else None
     every = int((job.hyperparameters or {}).get("checkpoint_every_steps") or settings.checkpoint_every_steps)
+    warned = warning_s(settings.signal_grace_s, job.time_limit_min or 60)    # when the job is told to stop
     findings = detectors.check(progress, attempt=job.attempt, now=time.time(), checkpoint_every=every,
-                               time_left_s=time_left, grace_s=settings.signal_grace_s,
+                               time_left_s=time_left, grace_s=warned,
                                limits=limits, running_since=start.timestamp() if start else None)
     fired = dict(progress.get("fired") or {})
     new = [f for f in findings if fired.get(f.rule) != job.attempt]

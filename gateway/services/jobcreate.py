@@ -24,6 +24,7 @@ from gateway.datasets.tokencount import counter_for
 from gateway.errors import Conflict, NotFound, ServiceError, SlurmError, TooManyJobs
 from gateway.models import DataFile, FileStatus, FineTuningJob, utcnow
 from gateway.services import autohp, retention, tracking
+from gateway.services.checkpointpub import UNPUBLISHED_ENDS, publish_checkpoints
 from gateway.services.files import get_file
 from gateway.services.jobmemory import _model_shape, memory_check, widen_for_ranks
 from gateway.services.jobmodels import CHECKPOINT_MODEL, checkpoint_files, checkpoint_model_name, find_checkpoint_model
@@ -31,7 +32,8 @@ from gateway.services.jobreads import get_job, tenant_id_of
 from gateway.services.jobspec import AUTO, _epochs, job_spec
 from gateway.services.jobwrites import add_event, apply_event
 from gateway.services.speed import Speed, measured_speed, site_speed
-from gateway.state import ACTIVE, Event, FailReason, JobState
+from gateway.state import ACTIVE, TERMINAL, Event, FailReason, JobState
+from gateway.storage import storage_for
 from trainer.contract.spec import HYPERPARAMETER_DEFAULTS, Hyperparameters, JobSpec
 
 if TYPE_CHECKING:
@@ -351,7 +353,7 @@ def prepare_job(*, session: Session, settings: Settings, principal: Principal, r
         if row is not None:
             _fits_method(row, req.method, param)
     hp = dict(req.hyperparameters)    # our names (gateway.api.openai translated OpenAI's)
-    model = _checkpoint_model(session, principal, req) if req.from_checkpoint else req.model
+    model = _checkpoint_model(session, settings, principal, req) if req.from_checkpoint else req.model
     parent, init = _parent(session, principal, model, hp) if model.startswith("ft:") else (None, None)
     base = parent.model if parent is not None else model
     entry = _catalog_entry(settings, base)
@@ -434,7 +436,7 @@ LORA_SHAPE = ("lora_r", "lora_alpha", "target_modules")
 """Hyperparameters a continued job takes from its parent: the adapter's shape and scale."""
 
 
-def _checkpoint_model(session: Session, principal: Principal, req: JobRequest) -> str:
+def _checkpoint_model(session: Session, settings: Settings, principal: Principal, req: JobRequest) -> str:
     """``from_checkpoint`` ("<job id>[:<step>]", the newest published checkpoint without a step) as the
     checkpoint's model name. ``model`` must name the same lineage: the job's base, its model or that
     checkpoint. NotFound (404) for a job or step that is not the tenant's published checkpoint."""
@@ -444,11 +446,16 @@ def _checkpoint_model(session: Session, principal: Principal, req: JobRequest) -
         job = get_job(session=session, principal=principal, job_id=job_id)
     except NotFound:
         raise NotFound(f"no such job: {job_id}", param="from_checkpoint") from None
-    files = checkpoint_files(session, job) if job.status == JobState.SUCCEEDED else {}
+    files = checkpoint_files(session, job) if job.status in TERMINAL else {}
+    if not files and job.status in UNPUBLISHED_ENDS and principal.tenant_name is not None:
+        # it ended unpublished and the reconciler's publication of its checkpoints did not happen
+        publish_checkpoints(session=session, storage=storage_for(settings), job=job,
+                            tenant_name=principal.tenant_name)
+        files = checkpoint_files(session, job)
     step = int(raw_step) if raw_step.isdigit() else max(files, default=0)
     if step not in files:
-        raise NotFound(f"job {job_id} has no published checkpoint{f' at step {raw_step}' if raw_step else ''}: "
-                       f"a job's checkpoints become models when it succeeds (those it still kept)",
+        raise NotFound(f"job {job_id} has no complete checkpoint{f' at step {raw_step}' if raw_step else ''} "
+                       f"({job.status}): a job's checkpoints become models when it ends (those it still kept)",
                        param="from_checkpoint")
     name = checkpoint_model_name(job, step)
     if req.model not in (job.model, job.fine_tuned_model, name):

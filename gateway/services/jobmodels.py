@@ -16,16 +16,22 @@ from gateway.models import DataFile, FineTuningJob, utcnow
 from gateway.services.files import file_parts
 from gateway.services.jobreads import tenant_id_of
 from gateway.services.jobwrites import update_fields
-from gateway.state import JobState
+from gateway.state import TERMINAL
 from gateway.storage import layout, storage_for
 
 CHECKPOINT_MODEL = re.compile(r"^(ft:.+):ckpt-step-([1-9][0-9]{0,8})$")
 """A checkpoint's model name (OpenAI's ``fine_tuned_model_checkpoint``): the job's model, ``:ckpt-step-<n>``."""
 
 
+UNPUBLISHED_HEAD = re.compile(r"^ft:(.+):(ftjob-[0-9a-f]{24})$")
+"""The head of a checkpoint's name for a job that has no model (it failed, timed out or was
+cancelled): ``ft:<base>:<job id>``."""
+
+
 def checkpoint_model_name(job: FineTuningJob, step: int) -> str:
-    """The name of ``job``'s checkpoint ``step`` as a model (``<fine-tuned model>:ckpt-step-<n>``)."""
-    return f"{job.fine_tuned_model or 'ft:' + job.model}:ckpt-step-{step}"
+    """The name of ``job``'s checkpoint ``step`` as a model: ``<fine-tuned model>:ckpt-step-<n>``, or
+    for a job without one (it ended unpublished) ``ft:<base>:<job id>:ckpt-step-<n>``."""
+    return f"{job.fine_tuned_model or f'ft:{job.model}:{job.id}'}:ckpt-step-{step}"
 
 
 def checkpoint_files(session: Session, job: FineTuningJob) -> dict[int, DataFile]:
@@ -44,8 +50,13 @@ def find_checkpoint_model(*, session: Session, principal: Principal, model_id: s
     m = CHECKPOINT_MODEL.fullmatch(model_id)
     job = session.exec(select(FineTuningJob).where(FineTuningJob.tenant_id == tid,
                                                    FineTuningJob.fine_tuned_model == m.group(1))).first() if m else None
+    if m and job is None and (u := UNPUBLISHED_HEAD.fullmatch(m.group(1))):    # a job that ended unpublished
+        job = session.exec(select(FineTuningJob).where(FineTuningJob.tenant_id == tid,
+                                                       FineTuningJob.id == u.group(2))).first()
+        if job is not None and checkpoint_model_name(job, int(m.group(2))) != model_id:
+            job = None
     published = checkpoint_files(session, job).get(int(m.group(2))) if m and job is not None else None
-    if job is None or published is None or job.status != JobState.SUCCEEDED:
+    if job is None or published is None or job.status not in TERMINAL:
         raise NotFound(f"no such model: {model_id}", param="model")
     return job, int(m.group(2)) if m else 0, published
 

@@ -75,8 +75,8 @@ _J = FineTuningJob.__table__.c  # type: ignore[attr-defined]
 JOB_VIEW = (_J.id, _J.tenant_id, _J.model, _J.parent_model, _J.created_at, _J.finished_at, _J.fine_tuned_model,
             _J.result_files, _J.status, _J.validation_file, _J.training_file, _J.hyperparameters, _J.trained_tokens,
             _J.error, _J.suffix, _J.seed, _J.estimated_finish, _J.expected_start, _J.meta, _J.slurm_job_id,
-            _J.attempt, _J.phase, _J.qos, _J.gpus, _J.nodes, _J.fsdp, _J.cleanup, _J.stop_confirmed_at, _J.progress,
-            _J.method, _J.created_by, _J.integrations)
+            _J.attempt, _J.phase, _J.qos, _J.gpus, _J.nodes, _J.fsdp, _J.time_limit_min, _J.cleanup,
+            _J.stop_confirmed_at, _J.progress, _J.method, _J.created_by, _J.integrations)
 _E = JobEvent.__table__.c  # type: ignore[attr-defined]
 EVENT_VIEW = (_E.id, _E.created_at, _E.level, _E.message, _E.data, _E.type)
 

@@ -8,6 +8,8 @@ commits; on any failure it rolls back and removes what was built. Imports the mo
 ``gateway.services.publish``, ``services.jobspec``/``jobcreate``/``jobwrites`` and storage's verbs
 and layout; the reconciler calls
 ``publish_attempt`` for a job in PUBLISHING.
+
+A job that ended without publishing has its checkpoints published by ``services.checkpointpub``.
 """
 
 from __future__ import annotations
@@ -15,33 +17,19 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sqlmodel import Session, col, select
+from sqlmodel import Session
 
 from gateway.config import Settings
 from gateway.errors import Conflict, ServiceError
-from gateway.models import DataFile, FineTuningJob, JobCheckpoint, new_id, utcnow
+from gateway.models import DataFile, FineTuningJob, new_id, utcnow
 from gateway.services import jobcreate, jobspec, publish
+from gateway.services.checkpointpub import checkpoint_steps, log_skipped
 from gateway.services.jobwrites import apply_event
 from gateway.state import Cleanup, Event, FailReason
 from gateway.storage import Storage, layout
 from trainer.contract.spec import Hyperparameters, spec_data, spec_hash
 
 log = logging.getLogger(__name__)
-
-
-def checkpoint_steps(session: Session, job: FineTuningJob) -> list[int]:
-    """The steps of ``job``'s recorded checkpoints (the newest ``MAX_CHECKPOINTS``): publication
-    makes the adapter of each one still on disk a model of its own."""
-    steps = session.exec(select(JobCheckpoint.step).where(JobCheckpoint.job_id == job.id).distinct()
-                         .order_by(col(JobCheckpoint.step).desc()).limit(layout.MAX_CHECKPOINTS))
-    return sorted(n for n in steps if 1 <= n <= layout.MAX_STEP)
-
-
-def _log_skipped(job: FineTuningJob, skipped: Any) -> None:
-    if isinstance(skipped, dict) and skipped:
-        why = "; ".join(f"step {k}: {v}" for k, v in list(skipped.items())[:8]
-                        if isinstance(k, str) and isinstance(v, str))
-        log.info("job %s: checkpoints not published: %s", job.id, why[:500])
 
 
 def fine_tuned_model_name(job: FineTuningJob, tenant: str) -> str:
@@ -148,7 +136,7 @@ def publish_attempt(*, session: Session, settings: Settings, storage: Storage, j
             session.add(row)
             rows.append(row)
         session.flush()
-        _log_skipped(job, built.get("skipped_checkpoints"))
+        log_skipped(job, built.get("skipped_checkpoints"))
         try:
             lineage = build_lineage(session=session, settings=settings, job=job, tenant=tenant_name,
                                     built=built, results=results)
@@ -170,3 +158,4 @@ def publish_attempt(*, session: Session, settings: Settings, storage: Storage, j
         except ServiceError:
             pass     # the reconciler's sweep removes a leftover build dir later
         raise
+

@@ -43,13 +43,14 @@ def eval_gate(evaluation: dict[str, Any], mode: str, tolerance: float) -> str | 
     return None
 
 
-def check_results(results: Any, checkpoints: Any = ()) -> dict[str, tuple[int, str]]:
-    """The broker's ``{name: [bytes, sha256]}`` for exactly the result files and the adapters of
+def check_results(results: Any, checkpoints: Any = (), *, main: bool = True) -> dict[str, tuple[int, str]]:
+    """The broker's ``{name: [bytes, sha256]}`` for exactly the result files (``main``: a succeeded
+    job's; without, a job that ended unpublished has its checkpoints only) and the adapters of
     ``checkpoints`` (the steps it says it packed), checked."""
     if not isinstance(checkpoints, list | tuple) or len(checkpoints) > MAX_CHECKPOINTS:
         raise PublishError("the published checkpoints are invalid")
     try:
-        names = list(RESULT_NAMES) + [checkpoint_result(n) for n in checkpoints]
+        names = list(RESULT_NAMES if main else ()) + [checkpoint_result(n) for n in checkpoints]
     except LayoutError:
         raise PublishError("the published checkpoints are invalid") from None
     if not isinstance(results, dict) or set(results) != set(names):

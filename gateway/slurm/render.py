@@ -27,6 +27,14 @@ class RenderError(SlurmError, ValueError):
     """A value cannot be placed in an sbatch script safely."""
 
 
+def warning_s(grace_s: int, minutes: int) -> int:
+    """How long before the time limit the trainer is told to checkpoint and stop (Slurm's
+    ``--signal=B:USR1@<s>``, local mode's submitit ``signal_delay_s``): the site's grace, but at most
+    a quarter of the limit, so that a short limit (``--time 1``) warns the job near its end, not as it
+    starts (Slurm) or never (submitit waits ``limit - delay`` seconds: a negative wait never comes)."""
+    return max(1, min(grace_s, minutes * 60 // 4))
+
+
 @dataclass(frozen=True)
 class JobScript:
     """Everything the sbatch script needs; paths are absolute."""

@@ -321,6 +321,12 @@ class TenantStorage:
         return self._call("publish_build", {"job_id": job_id, "attempt": attempt, "model_digest": model_digest,
                                             "checkpoint_steps": checkpoint_steps or []}).result
 
+    def checkpoints_build(self, job_id: str, checkpoint_steps: list[int]) -> dict[str, Any]:
+        """Build the complete ones of ``checkpoint_steps`` of a job that ended unpublished in a hidden
+        artifacts/.pub-* dir: ``name``, ``results`` (each tar's bytes and sha256), ``checkpoints`` (the
+        steps packed), ``skipped_checkpoints``; Conflict when not one is complete."""
+        return self._call("checkpoints_build", {"job_id": job_id, "checkpoint_steps": checkpoint_steps}).result
+
     def publish_commit(self, name: str, art_id: str) -> None:
         """Rename the built dir ``name`` to artifacts/<art_id>, where its results appear at once."""
         self._call("publish_commit", {"name": name, "art_id": art_id})

@@ -21,7 +21,8 @@ import secrets
 import stat
 import tarfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
@@ -37,7 +38,7 @@ MAX_MANIFEST_BYTES = 1 << 20
 MAX_ADAPTER_BYTES = 16 << 30
 MAX_SAFETENSORS_HEADER = 16 << 20
 MAX_JSON_DEPTH = 64               # nesting of a tenant-written JSON document (ours nest 4 deep at most)
-ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+ADAPTER_FILES = ("adapter_model.safetensors", jobdir.ADAPTER_CONFIG)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json")
 
@@ -469,15 +470,7 @@ def _build(ctx: Ctx, job_id: str, sfd: int, opened: dict[str, int], manifest: di
             os.close(mfd)
     except (FileNotFoundError, safefs.UnsafeStorage):
         metrics = b""
-    art = safefs.open_dir(ctx.root_fd, (layout.ARTIFACTS,), create=True)
-    name = f".pub-{job_id}-{secrets.token_hex(4)}"
-    try:
-        os.mkdir(name, 0o700, dir_fd=art)
-        out = safefs.open_dir(art, (name,))
-    except BaseException:
-        os.close(art)
-        raise
-    try:
+    with _build_dir(ctx, job_id) as (name, out):
         _write_adapter_tar(out, "adapter.tar", job_id, opened)
         for fname, data in ((jobdir.EVAL, safefs.read_fd(opened[jobdir.EVAL], MAX_EVAL_BYTES)),
                             ("metrics.csv", metrics_csv(metrics))):
@@ -487,24 +480,47 @@ def _build(ctx: Ctx, job_id: str, sfd: int, opened: dict[str, int], manifest: di
             finally:
                 os.close(fd)
         checkpoints, skipped = _pack_checkpoints(ctx, job_id, out, opened, steps)
-        results = {}
-        for fname in layout.RESULT_NAMES + tuple(layout.checkpoint_result(n) for n in checkpoints):
-            fd = os.open(fname, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=out)
-            try:
-                os.fsync(fd)
-                results[fname] = list(_sha256_fd(fd))
-            finally:
-                os.close(fd)
-        os.fsync(out)
-        os.fsync(art)
+        results = _hashed(out, layout.RESULT_NAMES + tuple(layout.checkpoint_result(n) for n in checkpoints))
         return Reply({"name": name, "results": results, "evaluation": evaluation, "manifest": manifest,
                       "checkpoints": checkpoints, "skipped_checkpoints": skipped})
+
+
+@contextmanager
+def _build_dir(ctx: Ctx, job_id: str) -> Iterator[tuple[str, int]]:
+    """A fresh hidden ``artifacts/.pub-<job id>-<hex>`` dir: (its name, an fd of it). On leaving, its
+    contents and the artifacts dir are fsynced; on an error it is removed (``publish_commit`` renames
+    one that was built)."""
+    art = safefs.open_dir(ctx.root_fd, (layout.ARTIFACTS,), create=True)
+    name = f".pub-{job_id}-{secrets.token_hex(4)}"
+    try:
+        os.mkdir(name, 0o700, dir_fd=art)
+        out = safefs.open_dir(art, (name,))
+    except BaseException:
+        os.close(art)
+        raise
+    try:
+        yield name, out
+        os.fsync(out)
+        os.fsync(art)
     except BaseException:
         safefs.remove(art, name)
         raise
     finally:
         os.close(out)
         os.close(art)
+
+
+def _hashed(out: int, names: tuple[str, ...] | list[str]) -> dict[str, list[Any]]:
+    """Each built result of ``names`` in ``out``, fsynced: name → [bytes, sha256]."""
+    results = {}
+    for fname in names:
+        fd = os.open(fname, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=out)
+        try:
+            os.fsync(fd)
+            results[fname] = list(_sha256_fd(fd))
+        finally:
+            os.close(fd)
+    return results
 
 
 def peft_header(fd: int) -> tuple[bytes, int, int]:
@@ -586,18 +602,22 @@ def _pack_checkpoints(ctx: Ctx, job_id: str, out: int, opened: dict[str, int],
         except (FileNotFoundError, safefs.UnsafeStorage, NotADirectoryError):
             skipped[str(step)] = "not on disk (pruned)"
             continue
+        config: int | None = None
         try:
             os.close(safefs.open_file(cfd, jobdir.COMPLETE, jobdir.COMPLETE, max_size=4096))
             afd = safefs.open_file(cfd, jobdir.CKPT_ADAPTER, jobdir.CKPT_ADAPTER, max_size=MAX_ADAPTER_BYTES)
+            if jobdir.ADAPTER_CONFIG not in opened:     # no final adapter: the checkpoint's own config
+                config = _checkpoint_config(cfd)
         except (FileNotFoundError, safefs.UnsafeStorage):
             skipped[str(step)] = "incomplete"
             continue
         finally:
             os.close(cfd)
         name = layout.checkpoint_result(step)
+        files = opened if config is None else {**opened, jobdir.ADAPTER_CONFIG: config}
         try:
             head, offset, length = peft_header(afd)
-            _write_adapter_tar(out, name, f"{job_id}-step-{step}", opened,
+            _write_adapter_tar(out, name, f"{job_id}-step-{step}", files,
                                ("adapter_model.safetensors", _Concat(head, afd, offset, length), len(head) + length))
             packed.append(step)
         except ValueError as e:
@@ -605,7 +625,49 @@ def _pack_checkpoints(ctx: Ctx, job_id: str, out: int, opened: dict[str, int],
             skipped[str(step)] = f"not a safetensors adapter: {e}"
         finally:
             os.close(afd)
+            if config is not None:
+                os.close(config)
     return packed, skipped
+
+
+def _checkpoint_config(cfd: int) -> int | None:
+    """The checkpoint's ``adapter_config.json`` (the trainer writes it since issue 35) as an fd to
+    pack, when it is a JSON object of at most MAX_EVAL_BYTES; None when it is absent or not one
+    (an older checkpoint: its tar then holds the weights alone, which ``from_checkpoint`` needs)."""
+    try:
+        fd = safefs.open_file(cfd, jobdir.ADAPTER_CONFIG, jobdir.ADAPTER_CONFIG, max_size=MAX_EVAL_BYTES)
+    except (FileNotFoundError, safefs.UnsafeStorage):
+        return None
+    try:
+        ok = isinstance(tenant_json(safefs.read_fd(fd, MAX_EVAL_BYTES), jobdir.ADAPTER_CONFIG), dict)
+    except ValueError:
+        ok = False
+    if not ok:
+        os.close(fd)
+        return None
+    return fd
+
+
+@verb
+def checkpoints_build(ctx: Ctx, args: dict[str, Any], fds: list[int]) -> Reply:
+    """Build the complete ones of ``checkpoint_steps`` of a job that ended without publishing (failed,
+    timed out, cancelled) as results in a hidden artifacts/.pub-* dir, as ``publish_build`` packs a
+    succeeded job's: ``checkpoint-step-<n>.tar`` (the adapter under peft's names and the checkpoint's
+    own ``adapter_config.json``). No staging is read: there is none. Returns the dir's name, each
+    result's (bytes, sha256), the steps packed and those skipped with why; refused when none is packed."""
+    job_id = args.get("job_id", "")
+    raw_steps = args.get("checkpoint_steps") or []
+    if not isinstance(raw_steps, list) or not raw_steps or len(raw_steps) > layout.MAX_CHECKPOINTS:
+        raise VerbError("invalid checkpoint steps")
+    for n in raw_steps:
+        layout.checkpoint(job_id, n)      # LayoutError for a step that is not one
+    with _build_dir(ctx, job_id) as (name, out):
+        checkpoints, skipped = _pack_checkpoints(ctx, job_id, out, {}, sorted(set(raw_steps)))
+        if not checkpoints:
+            raise _refused("no complete checkpoint: " + "; ".join(f"step {k}: {v}" for k, v in skipped.items()))
+        results = _hashed(out, [layout.checkpoint_result(n) for n in checkpoints])
+        return Reply({"name": name, "results": results, "checkpoints": checkpoints,
+                      "skipped_checkpoints": skipped})
 
 
 def _write_adapter_tar(out: int, name: str, top: str, opened: dict[str, int],

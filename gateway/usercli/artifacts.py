@@ -257,13 +257,14 @@ def _export_vllm(adapter: Path, model_id: str, base: str, digest: str | None, ou
 def _fitting_rank(out: Path) -> int:
     """The smallest --max-lora-rank vLLM accepts for the exported adapter's r (512 past that)."""
     from trainer.export import (  # lazy: the trainer side (export), only for this command
+        ADAPTER_CONFIG,
         DEFAULT_MAX_LORA_RANK,
         VLLM_MAX_LORA_RANKS,
         vllm_rank,
     )
 
     try:
-        r = json.loads((out / "adapter_config.json").read_text()).get("r")
+        r = json.loads((out / ADAPTER_CONFIG).read_text()).get("r")
     except (OSError, ValueError):
         return DEFAULT_MAX_LORA_RANK
     if not isinstance(r, int) or r < 1:

@@ -10,7 +10,8 @@ knows only what lies inside one job's directory::
     attempts/<n>/staging/                   an attempt's finished results, COMPLETE last
         adapter files, tokenizer files, eval.json, metrics.jsonl, manifest.json, COMPLETE
     checkpoints/step-<n>/                   a checkpoint, COMPLETE last
-        adapter.safetensors, state.pt, progress.json, best.safetensors (early stopping), COMPLETE
+        adapter.safetensors, adapter_config.json, state.pt, progress.json,
+        best.safetensors (early stopping), COMPLETE
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ CKPT_ADAPTER = "adapter.safetensors"
 CKPT_STATE = "state.pt"
 CKPT_PROGRESS = "progress.json"
 CKPT_BEST = "best.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+"""peft's adapter config, as ``save_pretrained`` writes it, in a staging dir and in each checkpoint:
+a checkpoint of a job that did not finish is published with it (``from_checkpoint``, and a download
+that peft loads)."""
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 """A checkpoint directory's name (see :func:`step_dir_name`)."""
