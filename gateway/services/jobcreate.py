@@ -31,7 +31,7 @@ from gateway.services.jobmodels import CHECKPOINT_MODEL, checkpoint_files, check
 from gateway.services.jobreads import get_job, tenant_id_of
 from gateway.services.jobspec import AUTO, _epochs, job_spec
 from gateway.services.jobwrites import add_event, apply_event
-from gateway.services.speed import Speed, measured_speed, site_speed
+from gateway.services.speed import Speed, expected_seconds, measured_speed, site_speed
 from gateway.state import ACTIVE, TERMINAL, Event, FailReason, JobState
 from gateway.storage import storage_for
 from trainer.contract.spec import HYPERPARAMETER_DEFAULTS, Hyperparameters, JobSpec
@@ -236,17 +236,6 @@ def _catalog_entry(settings: Settings, name: str) -> CatalogEntry:
                        code="model_not_found")
 
 
-def expected_seconds(settings: Settings, training_tokens: int, gpus: int = 1, speed: Speed | None = None) -> float:
-    """How long ``training_tokens`` should take on ``gpus`` ranks (counted at ``parallel_efficiency``
-    each beyond the first): at the ``speed`` measured on this site's finished jobs of the model
-    (``services.speed``: wall time, overhead included), else at the site's guess
-    (``throughput_tokens_per_s`` + ``job_overhead_s``)."""
-    speedup = 1 + (gpus - 1) * settings.parallel_efficiency
-    if speed is not None:
-        return training_tokens / (speed.tokens_per_s * speedup)
-    return training_tokens / (settings.throughput_tokens_per_s * speedup) + settings.job_overhead_s
-
-
 def estimate(settings: Settings, train: DataFile, epochs: int, gpus: int = 1,
              speed: Speed | None = None) -> tuple[int, int]:
     """(training tokens, time limit in minutes) for --time: backfill can place small jobs. The limit
@@ -428,8 +417,8 @@ def _speed_source(settings: Settings, speed: Speed | None) -> dict[str, Any]:
     """What the estimate's time came from: this site's finished jobs of the model, or the site's guess."""
     if speed is None:
         return {"source": "site guess", "tokens_per_s": round(site_speed(settings), 1)}
-    return {"source": "measured", "tokens_per_s": round(speed.tokens_per_s, 1), "jobs": speed.jobs,
-            "tenants": speed.tenants}
+    return {"source": "measured", "tokens_per_s": round(speed.tokens_per_s, 1),
+            "overhead_s": round(speed.overhead_s, 1), "jobs": speed.jobs, "tenants": speed.tenants}
 
 
 LORA_SHAPE = ("lora_r", "lora_alpha", "target_modules")

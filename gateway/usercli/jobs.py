@@ -156,7 +156,8 @@ def estimate_job(as_json: bool, **request: Any) -> None:
     secs = int(est.get("expected_seconds") or est["expected_minutes"] * 60)
     took = f"{secs // 60} min {secs % 60:02d} s" if secs >= 60 else f"{secs} s"
     speed = est.get("speed") or {}
-    basis = (f"measured on {speed.get('jobs')} earlier jobs of this model" if speed.get("source") == "measured"
+    basis = (f"measured on {speed.get('jobs')} earlier jobs of this model: {speed.get('overhead_s')} s to start "
+             f"and finish, {speed.get('tokens_per_s'):,} tokens/s" if speed.get("source") == "measured"
              else "the site's guess: no jobs of this model measured yet")
     click.echo(f"~{est['estimated_tokens']:,} training tokens on {est['gpus']} GPU(s): about "
                f"{took} ({est['gpu_hours']} GPU-hours; {basis}), time limit {est['time_limit_minutes']} min")

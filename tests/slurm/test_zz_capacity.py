@@ -6,8 +6,8 @@ of uneven demand, bursts, gang jobs over half the nodes, cancels (some while que
 mid-day, every job through the official openai client, with a read mix beside it. Then: no job lost,
 duplicated in Slurm or left non-final; every job that ran has its nodes' cleanup confirmed; the
 cancelled ones are cancelled and the others succeeded; and no tenant starved in the minutes with a
-queue (each got a good part of its fair share of what it asked for). Runs last in the slurm tier (the name), and puts the
-dev cluster back to its two nodes afterwards.
+queue (each got a good part of its fair share of what it asked for). Runs last in the slurm tier (the
+name), and puts the dev cluster back to its two nodes afterwards.
 """
 
 from __future__ import annotations
