@@ -72,7 +72,8 @@ STORAGE_FULL = ("the shared storage is full: nothing was kept; ask your administ
 TIMEOUT_S = 120.0
 VERB_TIMEOUT_S = {"read_events": 30.0, "read_spec": 30.0, "open_file": 30.0, "upload_begin": 30.0,
                   "upload_abort": 30.0, "storage_usage": 30.0, "publish_commit": 60.0, "sweep": 120.0, "remove": 300.0,
-                  "publish_build": 900.0}      # adapter and checkpoint tars are copied and hashed
+                  "publish_build": 900.0, "checkpoints_build": 900.0}   # adapter and checkpoint tars are copied
+                                                                         # and hashed
 SUBMIT_MARGIN_S = 30.0      # ``submit``: sbatch's own timeout plus this
 
 
