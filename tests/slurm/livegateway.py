@@ -157,6 +157,18 @@ class LiveGateway:
                                      f"after {timeout}s")
             time.sleep(0.5)
 
+    def kept_checkpoints(self, tenant: str, job_id: str, timeout: float = 60) -> list[dict[str, Any]]:
+        """The checkpoints of ``job_id`` (ended unpublished) once the gateway has made the complete ones
+        adapters (its event says so, or that none is complete), highest step first; at once if it has none."""
+        deadline = time.monotonic() + timeout
+        while True:
+            cks = self.api("GET", f"/v1/fine_tuning/jobs/{job_id}/checkpoints?limit=100", tenant).json()["data"]
+            events = self.api("GET", f"/v1/fine_tuning/jobs/{job_id}/events?limit=100", tenant).json()["data"]
+            if not cks or any("continued from" in e["message"] for e in events):
+                return list(cks)
+            assert time.monotonic() < deadline, f"job {job_id}: its checkpoints were not published: {cks}"
+            time.sleep(0.5)
+
 
 def terminal(j: dict[str, Any]) -> bool:
     return j["status"] in ("succeeded", "failed", "cancelled")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import subprocess
 import tarfile
@@ -132,9 +133,18 @@ def test_cancel_during_training(gw: LiveGateway, long_file: str) -> None:
     slurm_state = SlurmClient(LocalRunner()).states([done["slurm_job_id"]])[done["slurm_job_id"]]
     assert not slurm_state.active
     assert subprocess.run(["pgrep", "-u", f"sft-{A}", "-f", "trainer"], capture_output=True).returncode == 1
-    assert not list((STORAGE / "tenants" / A / "artifacts").glob(f"*{job['id']}*"))
+    # what it trained is kept (issue 35): its complete checkpoints became adapters, and nothing else
+    kept = [c for c in gw.kept_checkpoints(A, job["id"]) if c["adapter_file"]]
+    assert kept, "a job cancelled after step 2 (a checkpoint every 2 steps) keeps a checkpoint"
+    name = f"ft:{MODEL}:{job['id']}:ckpt-step-{kept[0]['step_number']}"
+    assert kept[0]["fine_tuned_model_checkpoint"] == name
+    assert gw.api("GET", f"/v1/models/{name}", A).status_code == 200
+    assert gw.api("GET", f"/v1/models/{name}", B).status_code == 404
+    assert not list((STORAGE / "tenants" / A / "artifacts").glob(f".pub-{job['id']}*"))
     with Session(gw.engine) as s:
-        assert not list(s.exec(select(DataFile).where(DataFile.job_id == job["id"])))
+        rows = list(s.exec(select(DataFile).where(DataFile.job_id == job["id"])))
+    assert sorted(r.id for r in rows) == sorted(c["adapter_file"] for c in kept)
+    assert all(re.fullmatch(rf"{job['id']}-checkpoint-step-\d+\.tar", r.filename) for r in rows), rows
     cleaned = gw.wait(A, job["id"], lambda j: j["cleanup"] in ("confirmed", "failed"), 60)
     assert cleaned["cleanup"] == "confirmed"
 
