@@ -103,14 +103,15 @@ def gateway(user: LocalUser) -> Iterator[tuple[str, Path]]:
     log.close()
 
 
-def _trainer_pids(job_id: str) -> list[int]:
+def _trainer_pids(marker: str, word: bytes = b"trainer") -> list[int]:
+    """The processes whose command line holds ``word`` and ``marker`` (a job id, a data dir)."""
     pids = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             cmd = (proc / "cmdline").read_bytes()
         except OSError:
             continue
-        if b"trainer" in cmd and job_id.encode() in cmd:
+        if word in cmd and marker.encode() in cmd:
             pids.append(int(proc.name))
     return pids
 
@@ -220,19 +221,11 @@ class Slowdown(threading.Thread):
 
     def __init__(self, marker: str, run_s: float = 0.2, period: float = 3.0):
         super().__init__(daemon=True)
-        self.marker, self.run_s, self.period = marker.encode(), run_s, period
+        self.marker, self.run_s, self.period = marker, run_s, period
         self.done = threading.Event()
 
     def _pids(self) -> list[int]:
-        pids = []
-        for proc in Path("/proc").glob("[0-9]*"):
-            try:
-                cmd = (proc / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"-m\0trainer" in cmd and self.marker in cmd:
-                pids.append(int(proc.name))
-        return pids
+        return _trainer_pids(self.marker, b"-m\0trainer")
 
     def _signal(self, pids: list[int], sig: int) -> None:
         for pid in pids:
