@@ -302,6 +302,21 @@ def _result_names(j: dict[str, Any]) -> str | None:
     return ", ".join(names) or None
 
 
+def _continuable(j: dict[str, Any]) -> str | None:
+    """For a job that ended without a model: the checkpoints it kept as adapters, and how to go on."""
+    if j["status"] not in ("failed", "cancelled"):
+        return None
+    try:
+        cks = call("GET", f"/v1/fine_tuning/jobs/{j['id']}/checkpoints", params={"limit": 100}).json()["data"]
+    except click.ClickException:
+        return None
+    steps = sorted(c["step_number"] for c in cks if c.get("adapter_file"))
+    if not steps:
+        return None
+    return (f"step {', '.join(map(str, steps))}: `finetune jobs create --from-checkpoint {j['id']} ...` "
+            f"goes on from step {steps[-1]}")
+
+
 def _show_text(j: dict[str, Any]) -> None:
     rows = [("status", progress_line(j)), ("model", j["model"]),
             ("fine-tuned model", j.get("fine_tuned_model")), ("training file", j["training_file"]),
@@ -310,6 +325,7 @@ def _show_text(j: dict[str, Any]) -> None:
             ("finished", _when(j.get("finished_at"))), ("took", _duration(j)),
             ("trained tokens", j.get("trained_tokens")), ("eval loss", _evals(j)),
             ("cleanup", j.get("cleanup")), ("result files", _result_names(j)),
+            ("continue from", _continuable(j)),
             ("storage freed", _freed(j)),
             ("method", (j.get("method") or {}).get("type")),
             ("hyperparameters", _hyperparameters(j))]
@@ -436,8 +452,9 @@ def _finish(job: dict[str, Any], as_json: bool) -> None:
 @click.argument("job_id")
 @click.option("--json", "as_json", is_flag=True, help="Print the API's list object.")
 def checkpoints(job_id: str, as_json: bool) -> None:
-    """A job's checkpoints, newest first. Once the job succeeds, each one it kept is a model of its
-    own: download its adapter file, or train further from it (`--model` or `--from-checkpoint`)."""
+    """A job's checkpoints, newest first. Once the job ends (succeeded, failed, timed out or
+    cancelled), each complete one it kept is a model of its own: download its adapter file, or
+    train further from it (`--model` or `--from-checkpoint`)."""
     page = call("GET", f"/v1/fine_tuning/jobs/{job_id}/checkpoints", params={"limit": 100}).json()
     if as_json:
         _echo_json(page)

@@ -284,13 +284,16 @@ def test_demo_local_on_a_slow_machine_times_out_and_its_printed_continuation_suc
     script = (f"{serve}\npid=$!\nfor i in {{1..60}}; do finetune jobs list >/dev/null && break; read -rt 1 <> <(:); "
               f"done\nnew=$({cont} --json | python -c 'import json,sys; print(json.load(sys.stdin)[\"id\"])') "
               "&& finetune jobs follow $new && finetune jobs show $new --json > continued.json "
-              f"&& finetune jobs checkpoints {job_id} --json > parent-checkpoints.json\n"
+              f"&& finetune jobs checkpoints {job_id} --json > parent-checkpoints.json "
+              f"&& finetune jobs show {job_id} > parent-show.txt\n"
               "rc=$?; kill $pid; wait $pid; exit $rc")
     got = user.run("/bin/bash", "-c", script, timeout=400)
     assert got.returncode == 0 and "succeeded" in got.stdout, got.stdout + got.stderr
     continued = json.loads((user.home / "continued.json").read_text())
     parent = json.loads((user.home / "parent-checkpoints.json").read_text())["data"]
     newest = max(c["step_number"] for c in parent if c["adapter_file"])
+    shown = (user.home / "parent-show.txt").read_text()      # `jobs show` of the failed job says how to go on
+    assert "continue from:" in shown and f"--from-checkpoint {job_id}" in shown, shown
     assert continued["status"] == "succeeded" and continued["model"] == f"ft:tiny-chat:{job_id}:ckpt-step-{newest}"
     assert continued["fine_tuned_model"].startswith("ft:tiny-chat:")
     print(f"continued from {continued['model']}: {continued['status']}, eval loss "
