@@ -8,6 +8,9 @@
 #                            (the contract and architecture tests are unit tests); no bootstrap,
 #                            no dev cluster, no broker
 #
+# With no argument it runs every tier in two lanes side by side (see below; SFT_TEST_SERIAL=1 for
+# one after the other).
+#
 # Every other argument goes to pytest (`scripts/test.sh --fast -k lines`, `scripts/test.sh tests/slurm`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -51,6 +54,36 @@ else
     select=(--durations=25 -m "slow or not slow")
 fi
 set +e
+if [ "$fast" = 0 ] && [ "${#args[@]}" = 0 ] && [ "${SFT_TEST_SERIAL:-0}" != 1 ]; then
+    # Two lanes side by side (SFT_TEST_SERIAL=1: one after the other). The cluster lane (slurm, ssh,
+    # browser, hostile: the dev cluster's jobs and users) mostly waits on Slurm and its jobs: about
+    # one core of two stays idle through it. The other lane (unit, train, service, local, gpu: no
+    # dev cluster, no Slurm job) runs in that core. Each lane has its own pytest temp dir; the other
+    # lane's report is printed after the cluster lane's.
+    other_log="$(mktemp /var/tmp/sft-test-lane-XXXXXX.log)"
+    cluster=(-m "(slow or not slow) and (slurm or ssh or browser or hostile)")
+    rest=(-m "(slow or not slow) and not (slurm or ssh or browser or hostile)")
+    echo "== pytest: the other lane (unit, train, service, local, gpu) runs beside this one; its report follows"
+    "$PY" -m pytest -p no:cacheprovider --durations=15 "${rest[@]}" --basetemp=/tmp/sft-tests-other \
+        > "$other_log" 2>&1 &
+    other=$!
+    cluster_log="$(mktemp /var/tmp/sft-test-lane-XXXXXX.log)"
+    "$PY" -m pytest -p no:cacheprovider --durations=25 "${cluster[@]}" --basetemp=/tmp/sft-tests-cluster \
+        2>&1 | tee "$cluster_log"
+    rc=${PIPESTATUS[0]}
+    wait "$other"
+    rc_other=$?
+    echo "== pytest: the other lane (unit, train, service, local, gpu)"
+    cat "$other_log"
+    echo "== both lanes"
+    echo "cluster lane (slurm, ssh, browser, hostile): $(tail -n 1 "$cluster_log")"
+    echo "other lane (unit, train, service, local, gpu): $(tail -n 1 "$other_log")"
+    rm -f "$other_log" "$cluster_log"
+    [ "$rc" = 5 ] && rc=0          # a lane with nothing to run (no root: no cluster lane) is no failure
+    [ "$rc_other" = 5 ] && rc_other=0
+    [ "$rc" = 0 ] && rc=$rc_other
+    exit "$rc"
+fi
 "$PY" -m pytest -p no:cacheprovider "${select[@]}" "${args[@]}"
 rc=$?
 set -e
