@@ -13,7 +13,7 @@ import pytest
 from gateway.config import Settings
 from tests.service.conftest import TENANT_A, Gateway, chat_lines
 
-pytestmark = pytest.mark.service
+pytestmark = [pytest.mark.service, pytest.mark.slurm]   # its tenant has a real Slurm account (sacctmgr)
 
 
 @pytest.fixture
