@@ -40,7 +40,7 @@ from gateway.jobs.watch import watch_running
 from gateway.jobs.workers import Workers
 from gateway.models import FineTuningJob, Tenant, utcnow
 from gateway.services import jobcreate
-from gateway.services.checkpointpub import UNPUBLISHED_ENDS, publish_checkpoints
+from gateway.services.checkpointpub import UNPUBLISHED_ENDS
 from gateway.services.jobwrites import StaleJob, add_event, apply_event, update_fields
 from gateway.services.progress import ingest_events, trainer_failure
 from gateway.services.publication import publish_attempt
@@ -149,8 +149,10 @@ class Reconciler:
                         if job.status == JobState.SUCCEEDED:
                             stats.published += 1
                         s.commit()
-                        if job.status in UNPUBLISHED_ENDS:    # it ended now (WATCHED holds no ended job)
-                            self._publish_checkpoints(s, job, tenants[job.tenant_id])
+                        if job.status in UNPUBLISHED_ENDS:
+                            # it ended now (WATCHED holds no ended job): its checkpoints become adapters
+                            self.workers.start_checkpoints(job.id, tenants[job.tenant_id].name, self.storage,
+                                                           self.fence)
                     except StaleJob:
                         s.rollback()       # someone else changed it: next cycle decides
                     except LeaseLost:
@@ -264,13 +266,6 @@ class Reconciler:
             self.fence.check(s)    # the broker publishes next: only the leader may
         publish_attempt(session=s, settings=self.settings, storage=self.storage, job=job, tenant_name=tenant.name)
 
-    def _publish_checkpoints(self, s: Session, job: FineTuningJob, tenant: Tenant) -> None:
-        """A job that ended unpublished (its end committed): its complete checkpoints become files
-        that ``from_checkpoint`` continues from. An error is the cycle's per-job error (logged, the
-        job's end stays); a continuation that asks for them publishes them then."""
-        if self.fence is not None:
-            self.fence.check(s)
-        publish_checkpoints(session=s, storage=self.storage, job=job, tenant_name=tenant.name)
 
     def owner(self, tenant: str) -> Owner:
         """Whose Slurm jobs ``tenant``'s are: its unix user and account (local mode: every job is this

@@ -1,5 +1,6 @@
 """The reconciler's slow calls, off its loop: Slurm's cancel, pause and release of a job, the
-webhook deliveries and the MLflow logging, each in a daemon thread of its own.
+webhook deliveries, the MLflow logging and the checkpoints of a job that ended unpublished, each in
+a daemon thread of its own.
 
 A cancel waits for Slurm to confirm no process is left (up to ``cancel_deadline_s`` and the kill
 wait); a webhook receiver or a tracking server may take its time: none may delay a cycle or an
@@ -15,12 +16,16 @@ import threading
 from collections.abc import Callable
 
 from sqlalchemy.engine import Engine
+from sqlmodel import Session
 
 from gateway.config import Settings
 from gateway.errors import SlurmError
-from gateway.services import mlflowlog, webhooks
+from gateway.jobs.leader import Lease
+from gateway.models import FineTuningJob
+from gateway.services import checkpointpub, mlflowlog, webhooks
 from gateway.slurm.records import Owner
 from gateway.slurm.scheduler import Scheduler
+from gateway.storage import Storage
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +77,25 @@ class Workers:
                 log.exception("mlflow logging failed")
 
         self._once("mlflow", work)
+
+    def start_checkpoints(self, job_id: str, tenant: str, storage: Storage, fence: Lease | None) -> None:
+        """Make the complete checkpoints of ``job_id``, which ended unpublished, adapters
+        (``services.checkpointpub.publish_checkpoints``) in a thread, once per job at a time: a tenant's
+        large (or planted) checkpoint files are copied and hashed without delaying a cycle. Only the
+        leader publishes (``fence``); an error is logged, and a continuation that asks publishes them."""
+        def work() -> None:
+            try:
+                with Session(self.engine, expire_on_commit=False) as s:
+                    job = s.get(FineTuningJob, job_id)
+                    if job is None:
+                        return
+                    if fence is not None:
+                        fence.check(s)
+                    checkpointpub.publish_checkpoints(session=s, storage=storage, job=job, tenant_name=tenant)
+            except Exception:
+                log.exception("job %s: its checkpoints were not published", job_id)
+
+        self._once(f"checkpoints-{job_id}", work)
 
     def start_cancel(self, slurm_id: int | None, tenant: str) -> None:
         """Run ``Scheduler.cancel`` in a thread, once per Slurm job at a time, for ``tenant``'s job only."""

@@ -304,7 +304,7 @@ def _result_names(j: dict[str, Any]) -> str | None:
 
 def _continuable(j: dict[str, Any]) -> str | None:
     """For a job that ended without a model: the checkpoints it kept as adapters, and how to go on."""
-    if j["status"] not in ("failed", "cancelled"):
+    if j["status"] not in (JobState.FAILED, JobState.CANCELLED):
         return None
     try:
         cks = call("GET", f"/v1/fine_tuning/jobs/{j['id']}/checkpoints", params={"limit": 100}).json()["data"]
