@@ -2,9 +2,9 @@
 files, as a succeeded job's publication makes its own (``services.publication``): the broker packs
 each complete one (``checkpoints_build``), their ``DataFile`` rows and an event are recorded,
 ``publish_commit`` makes them visible and the session commits. Then ``from_checkpoint`` continues the
-job whatever its end (issue 35). The reconciler calls ``publish_checkpoints`` once a job's end is
-committed; ``jobcreate`` calls it when a continuation names a job whose checkpoints are not files yet
-(the reconciler's call failed, or the job ended before this existed).
+job whatever its end (issue 35). The reconciler starts ``publish_checkpoints`` in a worker thread
+(``jobs.workers``) once a job's end is committed; ``jobcreate`` calls it when a continuation names a
+job whose checkpoints are not files yet (that call failed, or the job ended before this existed).
 """
 
 from __future__ import annotations
