@@ -58,7 +58,9 @@ def test_two_node_job_trains_publishes_and_matches_one_process(gw: LiveGateway, 
     gang = gw.create(T, train_file, GANG_HP, resources=TWO_NODES, seed=5)
     single = gw.create(T, train_file, GANG_HP, seed=5)
     # ft-small allows 1 GPU per user
-    assert gang["resources"] == {**TWO_NODES, "fsdp": False} and gang["qos"] == "ft-standard"
+    limit = gang["resources"]["time_limit_minutes"]      # the estimate's: at least 5 minutes
+    assert gang["resources"] == {**TWO_NODES, "fsdp": False, "time_limit_minutes": limit} and limit >= 5
+    assert gang["qos"] == "ft-standard"
     done = gw.wait(T, gang["id"], terminal, 300)
     one = gw.wait(T, single["id"], terminal, 300)
     assert done["status"] == "succeeded", done["error"]
@@ -80,7 +82,7 @@ def test_two_node_fsdp_job_shards_the_model_and_matches_one_process(gw: LiveGate
     """resources.fsdp: the 4-bit base sharded over the two nodes' ranks (FSDP2 over gloo)."""
     gang = gw.create(T, train_file, GANG_HP, resources={**TWO_NODES, "fsdp": True}, seed=5)
     single = gw.create(T, train_file, GANG_HP, seed=5)
-    assert gang["resources"] == {**TWO_NODES, "fsdp": True}
+    assert {k: v for k, v in gang["resources"].items() if k != "time_limit_minutes"} == {**TWO_NODES, "fsdp": True}
     done = gw.wait(T, gang["id"], terminal, 300)
     one = gw.wait(T, single["id"], terminal, 300)
     assert done["status"] == "succeeded", done["error"]
