@@ -35,7 +35,7 @@ def _trainer_pid(job_id: str) -> int | None:
 
 
 def test_a_stopped_trainer_is_detected_then_requeued_and_resumes(gw: LiveGateway, tmp_path: Path) -> None:
-    fid = gw.upload(T, chat_file(tmp_path / "big.jsonl", 1500, seed=71))
+    fid = gw.upload(T, chat_file(tmp_path / "big.jsonl", 500, seed=71))    # ~60 steps: the stop comes at 6
     job = gw.create(T, fid, {**FAST_HP, "checkpoint_every_steps": 4})
     running = gw.wait(T, job["id"], lambda j: terminal(j) or (j.get("progress") or {}).get("step", 0) >= 6, 180)
     assert running["status"] == "running", running
