@@ -206,15 +206,21 @@ def _next_steps(settings: Settings, token: str, job: dict[str, Any], out: Path, 
          f"        {serve} &\n"
          f"        finetune jobs list")
     if failed is not None:
-        again = (f"finetune jobs create --training-file {failed} --model {job['model']} "
-                 f"{_flags(hyperparameters or {})} --time {2 * int(job['resources']['time_limit_minutes'])}")
+        minutes = max(2 * int(job["resources"]["time_limit_minutes"]), CONTINUE_MIN_MINUTES)
+        val = f" --validation-file {job['validation_file']}" if job.get("validation_file") else ""
+        again = (f"finetune jobs create --training-file {failed}{val} --model {job['model']} "
+                 f"{_flags(hyperparameters or {})} --time {minutes}")
         echo(f"        finetune jobs show {job['id']}            # what happened, its events")
         if checkpoints:
             echo(f"        {again} --from-checkpoint {job['id']}   # on from its newest checkpoint (step "
-                 f"{max(checkpoints)}), with twice the time")
+                 f"{max(checkpoints)}), with more time")
         else:
-            echo(f"        {again}   # again, with twice the time")
+            echo(f"        {again}   # again, with more time")
 
+
+CONTINUE_MIN_MINUTES = 10
+"""The least time the printed command asks for: twice a 1-minute limit (`demo --time 1` on SmolLM2
+here) timed out again at step 11 of 18."""
 
 HP_FLAGS = {"n_epochs": "--epochs", "learning_rate_multiplier": "--learning-rate-multiplier",
             "batch_size_tokens": "--batch-size-tokens", "max_seq_len": "--max-seq-len"}
