@@ -40,6 +40,7 @@ import sqlite3
 import statistics
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -147,10 +148,19 @@ def run_mix(workdir: Path, repeats: int) -> tuple[list[Job], list[float]]:
     """The job mix (module doc) through a fresh gateway: its jobs from the gateway's database, and
     the gateway's own estimate (``expected_seconds``) of each job after the calibration."""
     from bench.gateway import Api, Server, onboard
+    from gateway.access import audit
+    from gateway.cli.privsep import service_owned_dir
+    from gateway.db import make_engine
 
-    url = f"sqlite:///{workdir / 'gw.db'}"
+    # the gateway drops to its service user: its SQLite file and audit key live in a dir it owns
+    state = service_owned_dir(Settings(), f"estimates-{time.time_ns()}")
+    db = state / "gw.db"
+    url = f"sqlite:///{db}"
     token = onboard(url, [TENANT])[TENANT]
-    server = Server(workdir, url)
+    engine = make_engine(url)
+    audit.use_key_file(engine, state / "audit.key")
+    engine.dispose()
+    server = Server(workdir, url, SFT_AUDIT_KEY_FILE=str(state / "audit.key"))
     said: dict[str, float] = {}
     try:
         api = Api(server.url, token)
@@ -171,10 +181,10 @@ def run_mix(workdir: Path, repeats: int) -> tuple[list[Job], list[float]]:
                   f"{est['expected_seconds']} s ({est['speed']['source']})", flush=True)
     finally:
         server.stop()
-    con = sqlite3.connect(workdir / "gw.db")
+    con = sqlite3.connect(db)
     ids = con.execute("SELECT id FROM fine_tuning_jobs WHERE status = 'succeeded' ORDER BY finished_at").fetchall()
     con.close()
-    jobs = jobs_of(str(workdir / "gw.db"))
+    jobs = jobs_of(str(db))
     return jobs, [said[i] for (i,) in ids if i in said]
 
 
