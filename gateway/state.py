@@ -255,7 +255,7 @@ def from_slurm(state: str | None, exit_code: int | None = None, *, was_running: 
                          "the job was cancelled outside the gateway (by an administrator)")
     if s in (S.FAILED, S.DEADLINE, S.PREEMPTED, S.REVOKED):
         reason, msg = _EXIT_REASONS.get(exit_code or -1, (FailReason.INTERNAL,
-                                                          f"the job failed (Slurm state {s}, exit {exit_code})"))
+                                                          f"the job failed (it ended {s}, exit code {exit_code})"))
         return SlurmView(Event.ERROR, reason, msg)
     return SlurmView(None)   # an unknown new Slurm state: change nothing, the next cycle decides
 
