@@ -266,7 +266,6 @@ class Reconciler:
             self.fence.check(s)    # the broker publishes next: only the leader may
         publish_attempt(session=s, settings=self.settings, storage=self.storage, job=job, tenant_name=tenant.name)
 
-
     def owner(self, tenant: str) -> Owner:
         """Whose Slurm jobs ``tenant``'s are: its unix user and account (local mode: every job is this
         user's, so only the account is known)."""

@@ -41,6 +41,17 @@ def log_skipped(job: FineTuningJob, skipped: Any) -> None:
         log.info("job %s: checkpoints not published: %s", job.id, why[:500])
 
 
+def add_result_rows(session: Session, job: FineTuningJob, aid: str,
+                    results: dict[str, tuple[int, str]]) -> list[DataFile]:
+    """A ``DataFile`` row (added to ``session``) for each checked result of ``job`` built into
+    artifact ``aid``, named ``<job id>-<result name>``; the rows, in ``results``' order."""
+    rows = [DataFile(tenant_id=job.tenant_id, filename=f"{job.id}-{name}", purpose="fine-tune-results",
+                     bytes=size, sha256=sha, status="processed", path=layout.result_path(aid, name), job_id=job.id)
+            for name, (size, sha) in results.items()]
+    session.add_all(rows)
+    return rows
+
+
 UNPUBLISHED_ENDS = frozenset({JobState.FAILED, JobState.CANCELLED})
 """The ends whose checkpoints ``publish_checkpoints`` makes files (a succeeded job's publication did)."""
 
@@ -68,10 +79,7 @@ def publish_checkpoints(*, session: Session, storage: Storage, job: FineTuningJo
     committed = False
     try:
         results = publish.check_results(built.get("results"), built.get("checkpoints") or [], main=False)
-        for name, (size, sha) in results.items():
-            session.add(DataFile(tenant_id=job.tenant_id, filename=f"{job.id}-{name}", purpose="fine-tune-results",
-                                 bytes=size, sha256=sha, status="processed", path=layout.result_path(aid, name),
-                                 job_id=job.id))
+        add_result_rows(session, job, aid, results)
         packed = sorted(n for name in results if (n := layout.checkpoint_step_of(name)) is not None)
         log_skipped(job, built.get("skipped_checkpoints"))
         add_event(session, job.id, f"Checkpoint{'s' if len(packed) > 1 else ''} at step "

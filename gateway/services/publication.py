@@ -23,7 +23,7 @@ from gateway.config import Settings
 from gateway.errors import Conflict, ServiceError
 from gateway.models import DataFile, FineTuningJob, new_id, utcnow
 from gateway.services import jobcreate, jobspec, publish
-from gateway.services.checkpointpub import checkpoint_steps, log_skipped
+from gateway.services.checkpointpub import add_result_rows, checkpoint_steps, log_skipped
 from gateway.services.jobwrites import apply_event
 from gateway.state import Cleanup, Event, FailReason
 from gateway.storage import Storage, layout
@@ -128,13 +128,7 @@ def publish_attempt(*, session: Session, settings: Settings, storage: Storage, j
     aid = new_id("art")
     committed = False
     try:
-        rows = []
-        for name, (size, sha) in results.items():
-            row = DataFile(tenant_id=job.tenant_id, filename=f"{job.id}-{name}", purpose="fine-tune-results",
-                           bytes=size, sha256=sha, status="processed", path=layout.result_path(aid, name),
-                           job_id=job.id)
-            session.add(row)
-            rows.append(row)
+        rows = add_result_rows(session, job, aid, results)
         session.flush()
         log_skipped(job, built.get("skipped_checkpoints"))
         try:
